@@ -1,0 +1,213 @@
+"""The one deployment file: its schema, and loading it with errors a user can act on.
+
+Every error names the field, the bad value and the fix; unknown keys list the valid ones.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from hpcserve.errors import ConfigError
+
+BUILTIN_TINY = "builtin:tiny-llama"
+NAME_PATTERN = r"^[a-z0-9][a-z0-9-]{0,39}$"
+# Slurm's --time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S
+SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$|^UNLIMITED$|^infinite$")
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(Strict):
+    path: str = Field(description=f"local folder, a hub id, or {BUILTIN_TINY} (built on first use)")
+    served_name: str | None = Field(None, description="name clients use in requests; default: the folder name")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    max_model_len: int | None = Field(None, gt=0, description="context length; default: the model's")
+    quantization: str | None = Field(None, description="vLLM --quantization, e.g. awq, gptq, fp8")
+
+    @property
+    def name(self) -> str:
+        if self.served_name:
+            return self.served_name
+        return Path(self.path.removeprefix("builtin:")).name or self.path
+
+
+class ClusterSpec(Strict):
+    scheduler: Literal["local", "slurm"] = "local"
+    nodes: int = Field(1, gt=0)
+    gpus_per_node: int = Field(0, ge=0, description="0 runs vLLM on CPUs")
+    cpus_per_node: int = Field(2, gt=0)
+    gpu_memory_gb: float = Field(80.0, gt=0, description="memory of one GPU, used by the planner")
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time: str = Field("01:00:00", description="Slurm walltime, e.g. 30, 1:00:00, 2-00:00:00")
+    setup: list[str] = Field(default_factory=list, description="shell lines run on every node first: module load, venv, container")
+    sbatch_extra: list[str] = Field(default_factory=list, description="extra #SBATCH options, e.g. --constraint=h100")
+
+    @field_validator("time")
+    @classmethod
+    def _slurm_time(cls, value: str) -> str:
+        if not SLURM_TIME.match(value):
+            raise ValueError("not a Slurm time; use minutes (30), H:M:S (1:00:00) or D-H:M:S (2-00:00:00)")
+        return value
+
+    @model_validator(mode="after")
+    def _local_is_one_node(self) -> ClusterSpec:
+        if self.scheduler == "local" and self.nodes != 1:
+            raise ValueError("scheduler 'local' runs on this machine only: set nodes: 1, or scheduler: slurm")
+        return self
+
+
+class Layout(Strict):
+    tensor: int = Field(1, gt=0, description="tensor-parallel size (GPUs that split each layer)")
+    pipeline: int = Field(1, gt=0, description="pipeline-parallel size (stages, usually one per node)")
+    replicas: int = Field(1, gt=0, description="independent engines behind the endpoint")
+
+    @property
+    def workers_per_replica(self) -> int:
+        return self.tensor * self.pipeline
+
+
+class EngineSpec(Strict):
+    executor: Literal["auto", "ray", "mp"] = Field("auto", description="auto: ray on GPUs, mp on CPUs (vLLM on CPU refuses ray)")
+    args: list[str] = Field(default_factory=list, description="extra vLLM arguments, e.g. ['--enforce-eager']")
+    env: dict[str, str] = Field(default_factory=dict, description="environment for every engine process on every node")
+    startup_timeout_s: float = Field(600, gt=0)
+
+    @field_validator("args")
+    @classmethod
+    def _no_secrets_in_args(cls, args: list[str]) -> list[str]:
+        if any(a == "--api-key" or a.startswith("--api-key=") for a in args):
+            raise ValueError("--api-key would show in process lists; set serve.api_key_env instead")
+        return args
+
+
+class ServeSpec(Strict):
+    host: str = Field("127.0.0.1", description="address the endpoint binds; 0.0.0.0 on a cluster")
+    port: int = Field(8000, ge=1, le=65535)
+    api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+                                    description="name of the environment variable that holds the API key")
+
+
+class DeploymentConfig(Strict):
+    name: str = Field(pattern=NAME_PATTERN, description="lowercase letters, digits and '-', at most 40")
+    model: ModelSpec
+    cluster: ClusterSpec = ClusterSpec()
+    parallelism: Union[Literal["auto"], Layout] = Field(Layout(), description="'auto' or {tensor, pipeline, replicas}")
+    engine: EngineSpec = EngineSpec()
+    serve: ServeSpec = ServeSpec()
+    results_dir: str = "results"
+
+    @model_validator(mode="after")
+    def _layout_fits(self) -> DeploymentConfig:
+        if isinstance(self.parallelism, Layout):
+            problem = layout_problem(self.parallelism, self.cluster)
+            if problem:
+                raise ValueError(problem)
+        if self.executor == "ray" and self.cluster.gpus_per_node == 0:
+            raise ValueError("engine.executor 'ray' needs GPUs (vLLM on CPU refuses it): use 'mp' or set cluster.gpus_per_node")
+        return self
+
+    @property
+    def executor(self) -> str:
+        if self.engine.executor != "auto":
+            return self.engine.executor
+        return "ray" if self.cluster.gpus_per_node > 0 else "mp"
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.cluster.gpus_per_node > 0
+
+
+def slots_per_node(cluster: ClusterSpec) -> int:
+    """Engine workers one node can hold: one per GPU, or one per core on CPU nodes."""
+    return cluster.gpus_per_node or cluster.cpus_per_node
+
+
+def layout_problem(layout: Layout, cluster: ClusterSpec) -> str | None:
+    """Why this layout cannot run on this cluster, or None. Pure."""
+    slots = slots_per_node(cluster)
+    unit = "GPUs" if cluster.gpus_per_node else "CPUs"
+    needed = layout.workers_per_replica * layout.replicas
+    have = slots * cluster.nodes
+    if needed > have:
+        return (f"parallelism needs {needed} workers (tensor {layout.tensor} x pipeline {layout.pipeline} x "
+                f"replicas {layout.replicas}) but the cluster has {have} {unit} ({cluster.nodes} nodes x {slots}): "
+                "lower the parallelism or add nodes")
+    if layout.workers_per_replica > slots and layout.workers_per_replica % slots:
+        return (f"a replica spanning nodes needs tensor x pipeline ({layout.workers_per_replica}) to be a multiple "
+                f"of the {unit} per node ({slots})")
+    return None
+
+
+# ---------------------------------------------------------------- loading
+
+def load_config(path: str | Path) -> DeploymentConfig:
+    """Read and validate a deployment file. Raises ConfigError with one readable message."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such file. Pass the path of a deployment YAML, e.g. examples/local.yaml")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(f"{path}: not valid YAML{where}: {problem}. Fix the syntax (indentation, colons, quotes).") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping with keys {', '.join(DeploymentConfig.model_fields)}")
+    return parse_config(raw, source=str(path))
+
+
+def parse_config(raw: dict[str, Any], source: str = "config") -> DeploymentConfig:
+    try:
+        return DeploymentConfig.model_validate(raw)
+    except ValidationError as exc:
+        lines = [format_error(err, raw) for err in exc.errors(include_url=False)]
+        raise ConfigError(f"{source}: " + ("\n".join(lines) if len(lines) == 1 else "\n  - " + "\n  - ".join(lines))) from None
+
+
+def format_error(err: dict[str, Any], raw: dict[str, Any]) -> str:
+    """One line: field, bad value, what is wrong and how to fix it."""
+    loc = [str(p) for p in err["loc"] if not _is_union_tag(p)]
+    field = ".".join(loc) or "(top level)"
+    if err["type"] == "extra_forbidden":
+        parent = _model_at(loc[:-1])
+        valid = ", ".join(parent.model_fields) if parent else "see the docs"
+        return f"unknown key '{field}'. Valid keys here: {valid}"
+    if err["type"] == "missing":
+        return f"'{field}' is required: add it (see examples/local.yaml)"
+    message = err["msg"].removeprefix("Value error, ")
+    if loc:
+        return f"'{field}' = {_short(err.get('input'))}: {message}"
+    return message
+
+
+def _is_union_tag(part: Any) -> bool:
+    return isinstance(part, str) and (part.startswith("literal[") or part in {"Layout", "function-after[_local_is_one_node(), ClusterSpec]"})
+
+
+def _model_at(loc: list[str]) -> type[BaseModel] | None:
+    model: type[BaseModel] = DeploymentConfig
+    for part in loc:
+        field = model.model_fields.get(part)
+        if field is None:
+            return None
+        annotation = field.annotation
+        candidates = getattr(annotation, "__args__", (annotation,))
+        model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        if model is None:
+            return None
+    return model
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

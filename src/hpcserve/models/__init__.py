@@ -1,0 +1,1 @@
+"""Models hpcserve can build or inspect locally (no downloads)."""

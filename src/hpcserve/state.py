@@ -1,0 +1,111 @@
+"""Where hpcserve remembers deployments, and the files a deployment's run folder holds.
+
+The registry (one small JSON file per deployment name) lives in $HPCSERVE_HOME, default
+~/.local/state/hpcserve. Everything else about a deployment lives in its run folder
+`<results_dir>/logs/<name>-<jobid>/`, written by the driver that runs it:
+
+- state.json     what is running now: stage, status, replicas with their endpoints, the error if any
+- timeline.json  one timestamp per stage
+- api_key        the endpoint's key (mode 0600), when hpcserve generated it
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hpcserve.errors import NotFoundError
+
+STATE_FILE = "state.json"
+TIMELINE_FILE = "timeline.json"
+API_KEY_FILE = "api_key"
+
+
+def home() -> Path:
+    return Path(os.environ.get("HPCSERVE_HOME") or Path.home() / ".local" / "state" / "hpcserve")
+
+
+@dataclass
+class Record:
+    """What `up` registers so that `status`, `logs` and `down` find the deployment by name."""
+
+    name: str
+    scheduler: str
+    run_dir: str
+    job_id: str | None = None
+    driver_pid: int | None = None
+    config_path: str | None = None
+    created: float = field(default_factory=time.time)
+
+
+def registry_dir() -> Path:
+    return home() / "deployments"
+
+
+def save_record(record: Record) -> None:
+    registry_dir().mkdir(parents=True, exist_ok=True)
+    write_json(registry_dir() / f"{record.name}.json", asdict(record))
+
+
+def load_record(name: str) -> Record:
+    path = registry_dir() / f"{name}.json"
+    if not path.is_file():
+        known = ", ".join(list_names()) or "none"
+        raise NotFoundError(f"no deployment named '{name}' (known: {known}). Start one with `hpcserve up CONFIG`.")
+    return Record(**json.loads(path.read_text()))
+
+
+def list_names() -> list[str]:
+    if not registry_dir().is_dir():
+        return []
+    return sorted(p.stem for p in registry_dir().glob("*.json"))
+
+
+def forget(name: str) -> None:
+    (registry_dir() / f"{name}.json").unlink(missing_ok=True)
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write atomically: readers (status, up's follower) never see half a file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def read_json(path: Path, default: Any = None) -> Any:
+    try:
+        return json.loads(Path(path).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return default
+
+
+def read_api_key(run_dir: str | Path) -> str | None:
+    path = Path(run_dir) / API_KEY_FILE
+    return path.read_text().strip() if path.is_file() else None
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """An OpenAI-compatible endpoint: base URL without /v1, served model name, key (or None)."""
+
+    base_url: str
+    model: str | None
+    api_key: str | None
+
+
+def resolve_endpoint(target: str, api_key: str | None = None) -> list[Endpoint]:
+    """A deployment name gives the endpoints of its replicas; a URL gives itself."""
+    if target.startswith(("http://", "https://")):
+        return [Endpoint(target.rstrip("/").removesuffix("/v1"), None, api_key)]
+    record = load_record(target)
+    state = read_json(Path(record.run_dir) / STATE_FILE, {}) or {}
+    key = api_key or read_api_key(record.run_dir)
+    replicas = state.get("replicas") or []
+    if not replicas:
+        raise NotFoundError(f"deployment '{target}' has no endpoint yet (stage: {state.get('stage', 'unknown')}); "
+                            f"see `hpcserve status {target}`")
+    return [Endpoint(r["url"], r.get("model"), key) for r in replicas]
