@@ -38,6 +38,7 @@ class Record:
     run_dir: str
     job_id: str | None = None
     driver_pid: int | None = None
+    driver_started: float | None = None  # create time, so a reused PID is never mistaken for ours
     config_path: str | None = None
     created: float = field(default_factory=time.time)
 

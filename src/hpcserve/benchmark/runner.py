@@ -1,0 +1,158 @@
+"""The library entry point: `run_benchmark(endpoints, options) -> BenchResult`.
+
+Used by `hpcserve bench`, `hpcserve validate` and the baselines. Sync-callable (it runs its own event
+loop); code that already runs inside an event loop awaits `run_benchmark_async` instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from datetime import datetime, timezone
+from typing import Protocol
+
+import httpx
+
+from hpcserve.benchmark.loadgen import (LoadShape, RequestInput, RequestOutput, auth_headers, make_client,
+                                        run_load, send_request)
+from hpcserve.benchmark.summary import BenchResult, BenchRun, RequestRecord, summarize
+from hpcserve.benchmark.workload import (DEFAULT_VOCAB_SIZE, LengthRange, arrival_offsets, load_dataset,
+                                         random_token_prompts)
+from hpcserve.errors import HpcserveError, UsageError
+from hpcserve.state import Endpoint
+
+DEFAULT_NUM_PROMPTS = 100
+
+
+class BenchmarkError(HpcserveError):
+    """The benchmark could not start: no model name, or an endpoint failed its warm-up request."""
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """Everything that shapes a benchmark. `loads` is the sweep: one run per LoadShape, in order."""
+
+    loads: tuple[LoadShape, ...] = (LoadShape(),)
+    num_prompts: int | None = None  # None: DEFAULT_NUM_PROMPTS random prompts, or the whole dataset
+    input_len: LengthRange = LengthRange(128, 128)
+    output_len: int = 128
+    dataset: str | None = None  # JSONL of {"prompt": ..., "output_len": ...}; replaces random prompts
+    model: str | None = None  # overrides the endpoints' model; None: the endpoint's, else asked from /v1/models
+    slo: dict[str, float] = field(default_factory=dict)  # e.g. {"ttft_ms": 500, "tpot_ms": 50}
+    seed: int = 0
+    timeout_s: float = 600.0  # deadline of each load point
+    ignore_eos: bool = True  # with max_tokens, makes every output exactly output_len tokens
+    warmup_requests: int = 1  # per endpoint, before the first run; not measured
+    vocab_size: int = DEFAULT_VOCAB_SIZE  # random token ids are drawn below this
+    gpus: int | None = None  # recorded in the result; `--compare` divides throughput by it
+
+    def __post_init__(self) -> None:
+        _require(len(self.loads) > 0, "give at least one load point (--concurrency or --request-rate)")
+        _require(self.num_prompts is None or self.num_prompts >= 1, "--num-prompts must be at least 1")
+        _require(self.output_len >= 1, "--output-len must be at least 1")
+        _require(self.timeout_s > 0, "--timeout must be positive")
+        _require(self.warmup_requests >= 0, "warmup_requests must be 0 or more")
+        _require(self.gpus is None or self.gpus >= 1, "--gpus must be at least 1")
+        for load in self.loads:
+            _require(load.concurrency is None or load.concurrency >= 1, "--concurrency values must be at least 1")
+            _require(load.request_rate > 0, "--request-rate values must be positive (or inf)")
+
+    def as_config(self) -> dict:
+        """JSON-safe description for the results file."""
+        return {**asdict(self), "loads": [load.as_dict() for load in self.loads]}
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise UsageError(message)
+
+
+class Progress(Protocol):
+    """What a caller (the CLI's progress bar) is told while the benchmark runs."""
+
+    def start_run(self, label: str, total: int) -> None: ...
+
+    def request_done(self, output: RequestOutput) -> None: ...
+
+
+def run_benchmark(endpoints: Sequence[Endpoint], options: BenchOptions, *, target: str | None = None,
+                  command: Sequence[str] | None = None, progress: Progress | None = None) -> BenchResult:
+    """Run every load point of `options` against the endpoints (round-robin) and summarise each."""
+    return asyncio.run(run_benchmark_async(endpoints, options, target=target, command=command, progress=progress))
+
+
+async def run_benchmark_async(endpoints: Sequence[Endpoint], options: BenchOptions, *, target: str | None = None,
+                              command: Sequence[str] | None = None,
+                              progress: Progress | None = None) -> BenchResult:
+    _require(len(endpoints) > 0, "no endpoint to benchmark")
+    ready = [await _with_model(endpoint, options) for endpoint in endpoints]
+    inputs = build_inputs(options)
+    await warm_up(ready, inputs[0], options)
+    runs = [await _run_one_load(ready, inputs, load, options, progress) for load in options.loads]
+    return BenchResult(
+        target=target or ready[0].base_url, date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        command=list(command if command is not None else sys.argv), config=options.as_config(),
+        endpoints=[endpoint.base_url for endpoint in ready], runs=runs, gpus=options.gpus,
+    )
+
+
+def build_inputs(options: BenchOptions) -> list[RequestInput]:
+    if options.dataset:
+        return load_dataset(options.dataset, options.num_prompts, options.output_len)
+    count = options.num_prompts or DEFAULT_NUM_PROMPTS
+    return random_token_prompts(count, options.input_len, options.output_len, options.seed, options.vocab_size)
+
+
+async def _run_one_load(endpoints: list[Endpoint], inputs: list[RequestInput], load: LoadShape,
+                        options: BenchOptions, progress: Progress | None) -> BenchRun:
+    if progress:
+        progress.start_run(load.label, len(inputs))
+    offsets = arrival_offsets(len(inputs), load.request_rate, options.seed)
+    result = await run_load(endpoints, inputs, load, offsets, timeout_s=options.timeout_s,
+                            ignore_eos=options.ignore_eos, on_done=progress.request_done if progress else None)
+    return BenchRun(load=load.as_dict(), summary=summarize(result.outputs, result.duration_s, options.slo),
+                    requests=[RequestRecord.of(output) for output in result.outputs])
+
+
+async def _with_model(endpoint: Endpoint, options: BenchOptions) -> Endpoint:
+    """The endpoint with a model name: --model, else the deployment's, else the server's first model."""
+    if options.model or endpoint.model:
+        return replace(endpoint, model=options.model or endpoint.model)
+    return replace(endpoint, model=await discover_model(endpoint, timeout_s=min(options.timeout_s, 30.0)))
+
+
+async def discover_model(endpoint: Endpoint, timeout_s: float = 30.0) -> str:
+    url = f"{endpoint.base_url}/v1/models"
+    try:
+        async with httpx.AsyncClient(timeout=timeout_s, trust_env=False) as client:
+            response = await client.get(url, headers=auth_headers(endpoint.api_key))
+            response.raise_for_status()
+            return response.json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
+        raise BenchmarkError(f"could not learn the model name from {url} ({type(exc).__name__}: {exc}); "
+                             f"pass --model NAME") from None
+
+
+async def warm_up(endpoints: list[Endpoint], request: RequestInput, options: BenchOptions) -> None:
+    """Unmeasured requests so the first measured ones don't pay for cold caches or connections.
+
+    A failure here stops the benchmark with the server's answer: a wrong model name or key would
+    otherwise show up as hundreds of identical failed requests.
+    """
+    try:
+        async with asyncio.timeout(options.timeout_s), make_client(LoadShape(1), options.timeout_s) as client:
+            for endpoint in endpoints:
+                for _ in range(options.warmup_requests):
+                    await _warm_up_once(client, endpoint, request, options.ignore_eos)
+    except TimeoutError:
+        raise BenchmarkError(f"the warm-up requests took longer than --timeout {options.timeout_s:g} s") from None
+
+
+async def _warm_up_once(client: httpx.AsyncClient, endpoint: Endpoint, request: RequestInput,
+                        ignore_eos: bool) -> None:
+    output = await send_request(client, endpoint, request, ignore_eos, run_start=0.0)
+    if not output.ok:
+        raise BenchmarkError(f"warm-up request to {endpoint.base_url} (model '{endpoint.model}') failed: "
+                             f"{output.error}")

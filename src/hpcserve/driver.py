@@ -1,0 +1,182 @@
+"""The deployment driver: `python -m hpcserve.driver RUN_DIR`, one per deployment.
+
+Runs inside the Slurm job (the batch script execs it) or, in local mode, as a detached process on
+this machine. It takes the deployment through its stages, each validated before the next:
+
+    ray     one Ray cluster over the nodes (head first, then workers), every node registered
+    health  the distributed health check
+    engine  the replicas' vLLM processes, ready only after a real completion through the endpoint
+    ready   serving; then it watches the engines until told to stop (SIGTERM) or an engine dies
+
+Progress goes to RUN_DIR/timeline.json and RUN_DIR/state.json. On SIGTERM or any failure it stops
+what it started, in reverse order, and exits; nothing stays behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from hpcserve.config import DeploymentConfig, Layout, load_config
+from hpcserve.errors import HpcserveError, StageError
+from hpcserve.state import read_api_key
+from hpcserve.timeline import Progress
+
+WATCH_INTERVAL_S = 2.0
+CHECK_ONLY_ENV = "HPCSERVE_CHECK_ONLY"  # `hpcserve check`: stop after the health stage
+
+
+class Stop(Exception):
+    """SIGTERM/SIGINT arrived: wind down."""
+
+
+def _raise_stop(signum, _frame):
+    raise Stop(signal.Signals(signum).name)
+
+
+def install_stop_handlers() -> None:
+    signal.signal(signal.SIGTERM, _raise_stop)
+    signal.signal(signal.SIGINT, _raise_stop)
+
+
+def job_nodes(local: bool) -> list[str]:
+    if local:
+        return [socket.gethostname()]
+    from hpcserve.slurm.parse import expand_nodelist
+
+    return expand_nodelist(os.environ["SLURM_JOB_NODELIST"])
+
+
+def run(run_dir: Path) -> int:
+    from hpcserve.preflight import read_model_config, resolve_model_path
+    from hpcserve.raycluster.cluster import ClusterPlan, RayCluster
+    from hpcserve.raycluster.launch import LocalLauncher, SrunLauncher
+
+    cfg = load_config(run_dir / "config.yaml")
+    local = cfg.cluster.scheduler == "local"
+    progress = Progress(run_dir)
+    progress.update(driver_pid=os.getpid(), driver_host=socket.gethostname(), status="starting")
+    api_key = os.environ.get(cfg.serve.api_key_env or "", "") or read_api_key(run_dir)
+    run_id = run_dir.name
+    cluster = None
+    replicas = None
+    samplers: dict = {}
+    stage = "ray"
+    try:
+        install_stop_handlers()
+        nodes = job_nodes(local)
+        os.environ.update(cfg.engine.env)  # reaches every node's Ray, hence every engine worker
+        progress.begin("ray", f"{len(nodes)} node(s): {', '.join(nodes)}")
+        plan = ClusterPlan(nodes=nodes, num_cpus=cfg.cluster.cpus_per_node, num_gpus=cfg.cluster.gpus_per_node,
+                           run_dir=run_dir, run_id=run_id, local=local)
+        cluster = RayCluster(plan, LocalLauncher() if local else SrunLauncher())
+        cluster.start()
+        install_stop_handlers()  # ray.init replaced them with handlers that only log and die
+        progress.update(ray={"gcs": cluster.gcs_address, "nodes": cluster.expected_addresses(),
+                             "pids": {n: p.pid for n, p in cluster.processes.items()}})
+        progress.done("ray")
+        from hpcserve.monitoring.sampler import start_samplers
+
+        samplers = start_samplers(run_dir)
+
+        stage = "health"
+        progress.begin("health")
+        from hpcserve.raycluster.health import run_health_check
+
+        report = run_health_check(nodes=len(nodes), gpus_per_node=cfg.cluster.gpus_per_node,
+                                  rendezvous_port=cluster.ports.collective, out_dir=run_dir)
+        if not report.ok:
+            raise StageError("health", report.first_failure(), str(run_dir / "health.json"))
+        progress.done("health", report.summary_line())
+        if os.environ.get(CHECK_ONLY_ENV):
+            progress.update(status="checked")
+            return 0
+
+        stage = "engine"
+        model_path = resolve_model_path(cfg)
+        layout = resolve_layout(cfg, read_model_config(model_path))
+        progress.begin("engine", f"{layout.replicas} replica(s) of tensor {layout.tensor} x pipeline {layout.pipeline}")
+        from hpcserve.serving.replicas import ReplicaSet
+
+        replicas = ReplicaSet(cfg, layout, model_path, run_dir, api_key, cluster.ports.engine_master, cluster.gcs_address)
+        replicas.start()
+        for proc in replicas.processes():
+            samplers[proc.hostname].watch.remote([proc.pid])
+        progress.update(replicas=[{**r.describe(), "model": cfg.model.name, "healthy": False} for r in replicas.replicas])
+        answers = replicas.wait_ready(cfg.engine.startup_timeout_s)
+        progress.done("engine")
+        progress.update(replicas=[{**r.describe(), "model": cfg.model.name, "healthy": True} for r in replicas.replicas],
+                        ready_check={"prompt": "Hello, my name is", "answers": answers})
+        progress.begin("ready")
+        progress.update(status="ready")
+        watch(replicas, progress)
+        return 0
+    except Stop as why:
+        progress.update(status="stopping", stop_reason=str(why))
+        return 0
+    except StageError as exc:
+        progress.fail(exc.stage, exc.diagnosis, exc.log)
+        return 1
+    except HpcserveError as exc:
+        progress.fail(stage, str(exc), str(run_dir / "driver.log"))
+        return 1
+    except Exception as exc:  # noqa: BLE001 - any other failure is still reported by stage
+        traceback.print_exc()
+        progress.fail(stage, f"{type(exc).__name__}: {exc}", str(run_dir / "driver.log"))
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # finish tearing down even if signalled again
+        teardown(replicas, samplers, cluster)
+        if progress.state.get("status") not in ("failed", "checked"):
+            progress.update(status="stopped")
+        progress.done("stopped")
+
+
+def resolve_layout(cfg: DeploymentConfig, model_config: dict | None) -> Layout:
+    if isinstance(cfg.parallelism, Layout):
+        return cfg.parallelism
+    from hpcserve.serving.planner import plan_for_config
+
+    if model_config is None:
+        raise StageError("engine", "parallelism 'auto' needs the model's config.json; give a local model folder "
+                         "or set tensor/pipeline/replicas", None)
+    return plan_for_config(cfg, model_config).best_layout()
+
+
+def watch(replicas, progress: Progress) -> None:
+    """Serve until stopped; an engine that dies marks the deployment failed (status never lies)."""
+    while True:
+        replicas.raise_if_dead()
+        time.sleep(WATCH_INTERVAL_S)
+
+
+def teardown(replicas, samplers: dict, cluster) -> None:
+    if samplers:
+        import ray
+
+        try:
+            ray.get([s.stop.remote() for s in samplers.values()], timeout=10)
+        except Exception:  # noqa: BLE001 - samples so far are on disk already
+            pass
+    if replicas is not None:
+        try:
+            replicas.stop()
+        except Exception:  # noqa: BLE001 - keep going: the cluster must stop regardless
+            traceback.print_exc()
+    if cluster is not None:
+        cluster.stop()
+
+
+def main() -> None:
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m hpcserve.driver RUN_DIR")
+    sys.exit(run(Path(sys.argv[1]).resolve()))
+
+
+if __name__ == "__main__":
+    main()

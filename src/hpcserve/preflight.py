@@ -1,0 +1,80 @@
+"""Checks before anything starts: a bad model path, a busy port or a layout the model cannot take is
+reported as a ConfigError (exit code 2) with nothing started."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import shutil
+from pathlib import Path
+
+from hpcserve.config import BUILTIN_TINY, DeploymentConfig
+from hpcserve.errors import ConfigError
+from hpcserve.raycluster.ports import port_free
+
+
+def looks_like_path(spec: str) -> bool:
+    return spec.startswith(("/", ".", "~")) or os.path.exists(spec)
+
+
+def resolve_model_path(cfg: DeploymentConfig) -> str:
+    """The folder (or hub id) vLLM loads. The builtin tiny model is built here on first use."""
+    spec = cfg.model.path
+    if spec == BUILTIN_TINY:
+        from hpcserve.models.tiny import tiny_model_path
+
+        return str(tiny_model_path())
+    if spec.startswith("builtin:"):
+        raise ConfigError(f"'model.path' = {spec!r}: unknown builtin model; the only one is {BUILTIN_TINY}")
+    if looks_like_path(spec):
+        path = Path(spec).expanduser()
+        if not path.is_dir():
+            raise ConfigError(f"'model.path' = {spec!r}: no such folder. Point it at a local model folder "
+                              f"(with config.json), a hub id like org/name, or {BUILTIN_TINY}")
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"'model.path' = {spec!r}: the folder has no config.json; is it a Hugging Face model folder?")
+        return str(path.resolve())
+    return spec  # a hub id: vLLM resolves it on the cluster
+
+
+def read_model_config(model_path: str) -> dict | None:
+    path = Path(model_path) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc}); the model folder is damaged") from None
+
+
+def check_api_key(cfg: DeploymentConfig) -> None:
+    if cfg.serve.api_key_env is None and not _is_loopback(cfg.serve.host):
+        raise ConfigError(f"'serve.host' = {cfg.serve.host!r} lets other users reach the endpoint, but "
+                          "'serve.api_key_env' is not set: name an environment variable holding the key "
+                          "(hpcserve generates one if the variable is empty)")
+
+
+def check_port(cfg: DeploymentConfig, replicas: int) -> None:
+    if cfg.cluster.scheduler != "local":
+        return  # ports on compute nodes are checked there
+    host = "127.0.0.1" if _is_loopback(cfg.serve.host) else cfg.serve.host
+    for port in range(cfg.serve.port, cfg.serve.port + replicas):
+        if not port_free(port, host):
+            raise ConfigError(f"'serve.port' = {cfg.serve.port}: port {port} is already in use on this machine. "
+                              "Choose a free port, or stop what uses it (`hpcserve status` lists deployments)")
+
+
+def check_scheduler(cfg: DeploymentConfig) -> None:
+    if cfg.cluster.scheduler == "slurm" and not shutil.which("sbatch"):
+        raise ConfigError("'cluster.scheduler' = 'slurm' but sbatch is not on PATH: run on a login node, "
+                          "load the Slurm module, or use `hpcserve sandbox up` to try a local Slurm cluster")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,193 @@
+"""Form one Ray cluster over a set of nodes: head on the first, workers on the rest.
+
+Ready means: every expected node is alive in the GCS with the CPU and GPU counts we gave it. No fixed
+sleeps: we poll with a monotonic deadline, and a node whose start process exits is reported at once,
+by name, with its log.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hpcserve.errors import StageError
+from hpcserve.raycluster.auth import auth_env, create_token
+from hpcserve.raycluster.launch import NodeLauncher
+from hpcserve.raycluster.ports import PortBlock, free_block
+from hpcserve.state import read_json
+
+
+@dataclass
+class ClusterPlan:
+    nodes: list[str]  # hostnames, head first
+    num_cpus: int
+    num_gpus: int
+    run_dir: Path
+    run_id: str
+    local: bool = False  # all on this machine, on loopback
+    join_timeout_s: float = 120.0
+
+
+@dataclass
+class RayCluster:
+    plan: ClusterPlan
+    launcher: NodeLauncher
+    ports: PortBlock | None = None
+    head_address: str = ""
+    processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    @property
+    def gcs_address(self) -> str:
+        return f"{self.head_address}:{self.ports.gcs}"
+
+    def environment(self) -> dict[str, str]:
+        """What every process of this deployment needs to talk to this cluster (no secret values)."""
+        token = create_token(self.plan.run_dir) if not (self.plan.run_dir / "ray_auth_token").exists() \
+            else self.plan.run_dir / "ray_auth_token"
+        env = {**auth_env(token), "RAY_USAGE_STATS_ENABLED": "0"}
+        if self.plan.local:
+            # Single node: keep every Ray address on loopback instead of the machine's public address.
+            env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+        return env
+
+    def start(self) -> None:
+        os.environ.update(self.environment())
+        self.ports = free_block(self.plan.run_id)
+        head = self.plan.nodes[0]
+        self.head_address = "127.0.0.1" if self.plan.local else _address_of(head)
+        self._launch(head, "head")
+        self._wait_for_head()
+        for node in self.plan.nodes[1:]:
+            self._launch(node, "worker")
+        self.wait_ready()
+
+    def _node_argv(self, role: str) -> list[str]:
+        temp_root = Path("/tmp") / f"hps-{os.getuid()}-{self.plan.run_id[-12:]}"
+        argv = [sys.executable, "-m", "hpcserve.raycluster.node", role, f"--run-dir={self.plan.run_dir}",
+                f"--temp-root={temp_root}", f"--num-cpus={self.plan.num_cpus}", f"--num-gpus={self.plan.num_gpus}",
+                f"--agent-port={self.ports.dashboard_agent_listen}", f"--join-timeout={self.plan.join_timeout_s}"]
+        if role == "head":
+            argv += [f"--gcs-port={self.ports.gcs}", f"--client-port={self.ports.client_server}",
+                     f"--address={self.head_address}"]
+        else:
+            argv += [f"--head={self.gcs_address}"]
+            if self.plan.local:
+                argv += ["--address=127.0.0.1"]
+        return argv
+
+    def _launch(self, node: str, role: str) -> None:
+        log = self.node_log(node)
+        self.processes[node] = self.launcher.launch(node, self._node_argv(role), log, gpus=self.plan.num_gpus)
+
+    def node_log(self, node: str) -> Path:
+        return self.plan.run_dir / "nodes" / node / "launch.log"
+
+    def _wait_for_head(self) -> None:
+        import socket
+
+        deadline = time.monotonic() + self.plan.join_timeout_s
+        while True:
+            self._raise_if_exited()
+            try:
+                with socket.create_connection((self.head_address, self.ports.gcs), timeout=1):
+                    return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise StageError("ray", f"the Ray head on {self.plan.nodes[0]} did not listen on "
+                                 f"{self.gcs_address} within {self.plan.join_timeout_s:.0f} s",
+                                 str(self.plan.run_dir / "nodes" / self.plan.nodes[0] / "ray-start.log"))
+            time.sleep(0.2)
+
+    def _raise_if_exited(self) -> None:
+        for node, proc in self.processes.items():
+            code = proc.poll()
+            if code is not None:
+                raise StageError("ray", f"the Ray process on node {node} exited with code {code} "
+                                 f"before the cluster was ready: {_tail(self.node_log(node))}",
+                                 str(self.node_log(node)))
+
+    def connect(self) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(address=self.gcs_address, log_to_driver=False, logging_level="WARNING")
+
+    def wait_ready(self) -> list[dict]:
+        """Poll the GCS until every node is alive with its resources; name the missing ones if not."""
+        import ray
+
+        self.connect()
+        deadline = time.monotonic() + self.plan.join_timeout_s
+        while True:
+            self._raise_if_exited()
+            alive = [n for n in ray.nodes() if n["Alive"]]
+            missing = missing_nodes(self.expected_addresses(), alive, self.plan.num_cpus, self.plan.num_gpus)
+            if not missing:
+                return alive
+            if time.monotonic() > deadline:
+                node, why = missing[0]
+                raise StageError("ray", f"{len(missing)} of {len(self.plan.nodes)} nodes not ready after "
+                                 f"{self.plan.join_timeout_s:.0f} s; first: {node}: {why}",
+                                 str(self.plan.run_dir / "nodes" / node / "ray-start.log"))
+            time.sleep(0.25)
+
+    def expected_addresses(self) -> dict[str, str | None]:
+        """hostname -> address the node reported (None until its node.json exists)."""
+        result = {}
+        for node in self.plan.nodes:
+            info = read_json(self.plan.run_dir / "nodes" / node / "node.json", {}) or {}
+            result[node] = info.get("address")
+        return result
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop every node's Ray by the processes we started (TERM, then KILL past the deadline)."""
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+        for proc in self.processes.values():
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + timeout_s
+        for proc in self.processes.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def missing_nodes(expected: dict[str, str | None], alive: list[dict], cpus: int, gpus: int) -> list[tuple[str, str]]:
+    """Nodes not (yet) registered with the right resources, each with the reason. Pure."""
+    by_address = {n["NodeManagerAddress"]: n for n in alive}
+    missing = []
+    for node, address in expected.items():
+        if address is None:
+            missing.append((node, "its Ray process has not started (no node.json yet): is the node up?"))
+        elif address not in by_address:
+            missing.append((node, f"not registered with the head from {address}"))
+        else:
+            res = by_address[address].get("Resources", {})
+            if res.get("CPU", 0) != cpus or res.get("GPU", 0) != gpus:
+                missing.append((node, f"registered with CPU={res.get('CPU', 0)} GPU={res.get('GPU', 0)}, "
+                                      f"expected CPU={cpus} GPU={gpus}"))
+    return missing
+
+
+def _address_of(hostname: str) -> str:
+    import socket
+
+    return socket.gethostbyname(hostname)
+
+
+def _tail(path: Path, lines: int = 5) -> str:
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except FileNotFoundError:
+        return "(no log)"
+    return " | ".join(text[-lines:]) or "(empty log)"

@@ -1,0 +1,48 @@
+"""How a process is started on a given node: directly (local mode) or through srun (inside a job).
+
+Both return a Popen we own: the process (or the srun step) dies when we stop it, and its exit is how
+we learn that a node's Ray failed to start, without waiting for a deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+from typing import Protocol
+
+
+class NodeLauncher(Protocol):
+    def launch(self, node: str, argv: list[str], log: Path, gpus: int = 0) -> subprocess.Popen: ...
+
+
+def _popen(argv: list[str], log: Path) -> subprocess.Popen:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as out:
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=os.environ.copy())
+
+
+class LocalLauncher:
+    """Every 'node' is this machine."""
+
+    def launch(self, node: str, argv: list[str], log: Path, gpus: int = 0) -> subprocess.Popen:
+        return _popen(argv, log)
+
+
+class SrunLauncher:
+    """One srun step per node inside the current allocation."""
+
+    def launch(self, node: str, argv: list[str], log: Path, gpus: int = 0) -> subprocess.Popen:
+        return _popen(srun_argv(node, argv, gpus), log)
+
+
+def srun_argv(node: str, argv: list[str], gpus: int = 0) -> list[str]:
+    # --overlap: the Ray node shares the node's CPUs with later steps; --kill-on-bad-exit=0: one node's
+    # failure is reported by us with its name, not by Slurm killing every step; GPUs are requested
+    # explicitly because a step does not inherit the job's GPUs.
+    step = ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--overlap", "--kill-on-bad-exit=0",
+            "--export=ALL"]
+    if gpus:
+        step.append(f"--gpus-per-node={gpus}")
+    return step + argv

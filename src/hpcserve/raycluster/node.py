@@ -1,0 +1,122 @@
+"""The Ray node process: `python -m hpcserve.raycluster.node head|worker ...`, one per node.
+
+Runs on the node itself (launched by srun, or directly in local mode) so that what only the node can
+know is decided there:
+- its address: for a worker, the source address the kernel uses to reach the head, i.e. the NIC that
+  really connects the two (users' pitfall #1: on multi-NIC nodes Ray guesses wrong and placement
+  groups never place);
+- its temp dir: per node and per run, short (Unix socket paths are limited to 107 bytes);
+- its logs: when Ray stops, the node's Ray logs are copied into the shared run folder.
+CPU and GPU counts come from the allocation (arguments), never from Ray's autodetection.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def address_towards(host: str, port: int) -> str:
+    """The local address the kernel would use to reach host:port (a UDP connect sends nothing)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.connect((host, port))
+        return sock.getsockname()[0]
+
+
+def own_address(head: str | None) -> str:
+    if head:
+        host, port = head.rsplit(":", 1)
+        return address_towards(host, int(port))
+    return socket.gethostbyname(socket.gethostname())
+
+
+def ray_start_argv(args: argparse.Namespace, address: str, temp_dir: Path) -> list[str]:
+    ray = str(Path(sys.executable).with_name("ray"))
+    argv = [ray, "start", "--block", "--disable-usage-stats", f"--node-ip-address={address}",
+            f"--num-cpus={args.num_cpus}", f"--num-gpus={args.num_gpus}", f"--temp-dir={temp_dir}",
+            f"--dashboard-agent-listen-port={args.agent_port}"]
+    if args.role == "head":
+        argv += ["--head", f"--port={args.gcs_port}", f"--ray-client-server-port={args.client_port}",
+                 "--include-dashboard=false"]
+    else:
+        argv += [f"--address={args.head}"]
+    return argv
+
+
+def wait_for_tcp(address: str, deadline_s: float) -> None:
+    """A worker must not start before the head listens: poll it, up to a deadline (no fixed sleep)."""
+    host, port = address.rsplit(":", 1)
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=2):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"head {address} not reachable after {deadline_s:.0f} s")
+            time.sleep(0.2)
+
+
+def copy_logs(temp_dir: Path, dest: Path) -> None:
+    logs = temp_dir / "session_latest" / "logs"
+    if logs.is_dir():
+        shutil.copytree(logs, dest / "ray", dirs_exist_ok=True, ignore_dangling_symlinks=True,
+                        ignore=shutil.ignore_patterns("*.sock", "*.err.*"))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m hpcserve.raycluster.node")
+    parser.add_argument("role", choices=["head", "worker"])
+    parser.add_argument("--run-dir", required=True, type=Path)
+    parser.add_argument("--temp-root", required=True, type=Path)
+    parser.add_argument("--num-cpus", required=True, type=int)
+    parser.add_argument("--num-gpus", required=True, type=int)
+    parser.add_argument("--gcs-port", type=int)
+    parser.add_argument("--client-port", type=int)
+    parser.add_argument("--agent-port", required=True, type=int)
+    parser.add_argument("--head", help="HEAD_ADDRESS:PORT, for workers")
+    parser.add_argument("--address", help="this node's address (default: detected)")
+    parser.add_argument("--join-timeout", type=float, default=120)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    hostname = socket.gethostname()
+    node_dir = args.run_dir / "nodes" / hostname
+    node_dir.mkdir(parents=True, exist_ok=True)
+    if args.role == "worker":
+        wait_for_tcp(args.head, args.join_timeout)
+    address = args.address or own_address(args.head if args.role == "worker" else None)
+    temp_dir = args.temp_root / hostname
+    temp_dir.mkdir(parents=True, exist_ok=True)
+    # vLLM and NCCL pick the node's address the same flawed way Ray does: tell them.
+    os.environ["VLLM_HOST_IP"] = address
+    argv_ray = ray_start_argv(args, address, temp_dir)
+    with open(node_dir / "ray-start.log", "ab") as log:
+        child = subprocess.Popen(argv_ray, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    info = {"hostname": hostname, "address": address, "role": args.role, "pid": os.getpid(),
+            "ray_pid": child.pid, "temp_dir": str(temp_dir), "argv": argv_ray, "started": time.time()}
+    (node_dir / "node.json").write_text(json.dumps(info, indent=2))
+
+    def forward(signum, _frame):
+        child.send_signal(signal.SIGTERM)  # `ray start --block` stops its node's processes on TERM
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    code = child.wait()
+    copy_logs(temp_dir, node_dir)
+    shutil.rmtree(temp_dir, ignore_errors=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

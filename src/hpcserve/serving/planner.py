@@ -1,0 +1,359 @@
+"""The parallelism planner: which tensor x pipeline x replicas layout fits a model on a cluster, and which
+serves the most tokens per second. Pure functions over a ModelShape and a ClusterSpec; docs/planner.md
+explains the memory and throughput model and the measurements behind its constants.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING, Any
+
+from hpcserve.config import ClusterSpec, DeploymentConfig, Layout, layout_problem, slots_per_node
+from hpcserve.errors import ConfigError
+from hpcserve.serving.model_shape import (
+    DTYPE_BYTES, ModelShape, estimate_weights_bytes, kv_bytes_per_token, kv_bytes_per_token_per_worker,
+    padded_vocab, resolve_dtype, weights_bytes_per_worker,
+)
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+GIB = 2**30
+# Memory vLLM needs on a GPU besides weights, KV cache and the profiled activations: what it counts as
+# non-torch memory (CUDA context allocations, NCCL and cuBLAS workspaces) and CUDA graphs. An estimate, not
+# measured by us: with the activation term it leaves about 2 GiB for an 8B model (see docs/planner.md).
+FIXED_RESERVE_BYTES = 1 * GIB
+# Throughput calibration (H200, vLLM 0.26, Llama-3.1-8B, 512 in / 128 out, concurrency 32): TP=1 on one GPU
+# 3707 output tok/s, TP=2 on two 4469 tok/s, so each GPU of a TP=2 replica does 4469 / (2 x 3707) = 0.60 of
+# a TP=1 GPU. Modelled as efficiency = 1 / (1 + TP_COST x log2(tp) x 4096 / hidden): all-reduce traffic per
+# token grows with hidden, compute with hidden^2, so the relative cost shrinks for wider models.
+TP_CALIBRATION_HIDDEN = 4096
+TP_COST = 1 / 0.60 - 1  # 0.667: reproduces 0.60 at tp=2, hidden=4096
+CROSS_NODE_TP_EFFICIENCY = 0.5  # a guess: all-reduce over the network instead of NVLink
+PP_BUBBLE = 0.25  # a guess, not measured: per extra stage, efficiency = 1 / (1 + 0.25 x (pp - 1))
+BLOCK_SIZE = 16  # vLLM hands out KV cache in blocks of this many tokens
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """Engine settings the estimate depends on (vLLM's names and defaults)."""
+
+    dtype: str = "auto"
+    max_model_len: int | None = None  # None: the model's max_position_embeddings, as vLLM does
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
+    gpu_memory_utilization: float = 0.9
+    kv_cache_bytes_per_worker: int | None = None  # CPU: VLLM_CPU_KVCACHE_SPACE GiB (default 4)
+    allow_cross_node_tensor: bool = False
+    min_concurrent_seqs: float = 16  # fewer full-length sequences than this in KV cache: score scaled down
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+
+
+def make_settings(**options: Any) -> PlanSettings:
+    valid = [f.name for f in fields(PlanSettings)]
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise TypeError(f"unknown planner option(s) {', '.join(unknown)}; valid: {', '.join(valid)}")
+    return PlanSettings(**options)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout evaluated. Bytes are per worker (one GPU, or one CPU engine process)."""
+
+    layout: Layout
+    weights_bytes_per_worker: int
+    reserve_bytes_per_worker: int
+    kv_bytes_per_worker: int
+    kv_tokens_per_replica: int
+    max_concurrency: float  # sequences of max_model_len tokens the KV cache of one replica holds
+    tp_efficiency: float
+    pp_efficiency: float
+    kv_factor: float
+    score: float  # output throughput in units of one unhindered TP=1 GPU
+    problems: tuple[str, ...] = ()
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    @property
+    def concurrent_seqs(self) -> int:
+        return int(self.max_concurrency)
+
+
+@dataclass(frozen=True)
+class Plan:
+    shape: ModelShape
+    cluster: ClusterSpec
+    settings: PlanSettings  # dtype and max_model_len resolved
+    ranked: tuple[Candidate, ...]  # layouts that fit, best first
+    rejected: tuple[Candidate, ...] = field(default=())
+
+    @property
+    def best(self) -> Candidate | None:
+        return self.ranked[0] if self.ranked else None
+
+    def best_layout(self) -> Layout:
+        """The winning layout, or ConfigError naming why every layout was rejected."""
+        if self.best is None:
+            reasons = sorted({p for c in self.rejected for p in c.problems})
+            raise ConfigError("no parallelism layout fits this model on this cluster:\n  - " + "\n  - ".join(reasons))
+        return self.best.layout
+
+    def explain(self) -> list[str]:
+        return explain(self)
+
+
+# ---------------------------------------------------------------- memory per worker
+
+def reserve_bytes_per_worker(shape: ModelShape, layout: Layout, s: PlanSettings) -> int:
+    """Peak activations of vLLM's profiling run (max_num_batched_tokens through the MLP, the widest part,
+    plus fp32 logits of max_num_seqs) and FIXED_RESERVE_BYTES. Zero on CPU, where the KV cache is a fixed size."""
+    inter = shape.intermediate_size
+    if shape.is_moe:
+        inter = shape.experts_per_token * shape.moe_intermediate_size + shape.shared_expert_intermediate_size
+    activations = s.max_num_batched_tokens * (3 * inter / layout.tensor + 4 * shape.hidden_size) * DTYPE_BYTES[s.dtype]
+    logits = s.max_num_seqs * padded_vocab(shape) * 4
+    return int(FIXED_RESERVE_BYTES + activations + logits)
+
+
+# ---------------------------------------------------------------- rules
+
+def structural_problems(shape: ModelShape, layout: Layout, cluster: ClusterSpec, s: PlanSettings) -> list[str]:
+    tp, pp, problems = layout.tensor, layout.pipeline, []
+    if shape.num_heads % tp:
+        problems.append(f"tensor {tp} does not divide the {shape.num_heads} attention heads")
+    if tp <= shape.num_kv_heads and shape.num_kv_heads % tp:
+        problems.append(f"tensor {tp} does not divide the {shape.num_kv_heads} KV heads")
+    if tp > shape.num_kv_heads and tp % shape.num_kv_heads:
+        problems.append(f"tensor {tp} is above the {shape.num_kv_heads} KV heads but not a multiple of them "
+                        "(vLLM can only replicate KV heads evenly)")
+    inter = shape.moe_intermediate_size if shape.is_moe else shape.intermediate_size
+    if inter % tp:
+        problems.append(f"tensor {tp} does not divide the intermediate size {inter}")
+    if padded_vocab(shape) % tp:
+        problems.append(f"tensor {tp} does not divide the vocabulary ({shape.vocab_size}, padded to {padded_vocab(shape)})")
+    if pp > shape.num_layers:
+        problems.append(f"pipeline {pp} has more stages than the model's {shape.num_layers} layers")
+    slots = slots_per_node(cluster)
+    if tp > slots and not s.allow_cross_node_tensor:
+        problems.append(f"tensor {tp} spans nodes ({slots} {'GPUs' if cluster.gpus_per_node else 'CPUs'} per node): "
+                        "keep tensor within a node and use pipeline across nodes, or allow cross-node tensor parallel")
+    if pp > 1 and not cluster.gpus_per_node:
+        problems.append("pipeline parallel fails on CPU in vllm-cpu 0.32 (AssertionError in "
+                        "sync_and_gather_intermediate_tensors): use tensor parallel or replicas")
+    cluster_problem = layout_problem(layout, cluster)
+    if cluster_problem:
+        problems.append(cluster_problem)
+    return problems
+
+
+# ---------------------------------------------------------------- evaluation
+
+def evaluate(shape: ModelShape, layout: Layout, cluster: ClusterSpec, *, dtype: str = "auto",
+             max_model_len: int | None = None, gpu_memory_utilization: float = 0.9, **options: Any) -> Candidate:
+    """Memory, KV-cache capacity and throughput score of one layout; problems say why it cannot run."""
+    s = resolve_settings(shape, make_settings(dtype=dtype, max_model_len=max_model_len,
+                                              gpu_memory_utilization=gpu_memory_utilization, **options))
+    return _evaluate(shape, layout, cluster, s)
+
+
+def resolve_settings(shape: ModelShape, s: PlanSettings) -> PlanSettings:
+    if not 0 < s.gpu_memory_utilization <= 1:
+        raise ConfigError(f"gpu_memory_utilization {s.gpu_memory_utilization} must be in (0, 1], e.g. 0.9")
+    max_len = s.max_model_len or shape.max_position_embeddings
+    if not max_len:
+        raise ConfigError("the model config has no max_position_embeddings: set model.max_model_len")
+    return replace(s, dtype=resolve_dtype(shape, s.dtype), max_model_len=int(max_len))
+
+
+def _evaluate(shape: ModelShape, layout: Layout, cluster: ClusterSpec, s: PlanSettings) -> Candidate:
+    problems = structural_problems(shape, layout, cluster, s)
+    weights = weights_bytes_per_worker(shape, layout.tensor, layout.pipeline, s.dtype, s.quantization)
+    if cluster.gpus_per_node:
+        reserve = reserve_bytes_per_worker(shape, layout, s)
+        budget = cluster.gpu_memory_gb * GIB * s.gpu_memory_utilization
+        kv = int(budget - weights - reserve)
+        if kv <= 0:
+            problems.append(f"too little memory: {weights / GIB:.1f} GiB of weights + {reserve / GIB:.1f} GiB reserve per GPU "
+                            f"exceed {budget / GIB:.1f} GiB ({s.gpu_memory_utilization:g} x {cluster.gpu_memory_gb:g} GiB); "
+                            "use more GPUs per replica (tensor/pipeline) or quantization")
+    else:
+        reserve, kv = 0, s.kv_cache_bytes_per_worker or 4 * GIB
+    per_token = kv_bytes_per_token_per_worker(shape, layout.tensor, layout.pipeline, s.dtype, s.kv_cache_dtype)
+    tokens = max(kv, 0) // per_token // BLOCK_SIZE * BLOCK_SIZE
+    if kv > 0 and tokens < s.max_model_len:
+        problems.append(f"KV cache holds {tokens:,} tokens per replica, less than max_model_len {s.max_model_len:,} "
+                        "(vLLM refuses to start): lower max_model_len or use more GPUs per replica")
+    concurrency = tokens / s.max_model_len
+    tp_eff, pp_eff = tp_efficiency(shape, layout, cluster), pp_efficiency(layout.pipeline)
+    kv_factor = min(1.0, concurrency / s.min_concurrent_seqs) if s.min_concurrent_seqs else 1.0
+    score = 0.0 if problems else layout.replicas * layout.workers_per_replica * tp_eff * pp_eff * kv_factor
+    return Candidate(layout, weights, reserve, max(kv, 0), tokens, concurrency, tp_eff, pp_eff, kv_factor,
+                     score, tuple(problems))
+
+
+def tp_efficiency(shape: ModelShape, layout: Layout, cluster: ClusterSpec) -> float:
+    """Per-worker throughput of a tensor-parallel replica relative to TP=1 (calibration: see TP_COST)."""
+    eff = 1 / (1 + TP_COST * math.log2(layout.tensor) * TP_CALIBRATION_HIDDEN / shape.hidden_size)
+    return eff * (CROSS_NODE_TP_EFFICIENCY if layout.tensor > slots_per_node(cluster) else 1.0)
+
+
+def pp_efficiency(pipeline: int) -> float:
+    return 1 / (1 + PP_BUBBLE * (pipeline - 1))
+
+
+def check_layout(shape: ModelShape, layout: Layout, cluster: ClusterSpec, *, dtype: str = "auto",
+                 max_model_len: int | None = None, gpu_memory_utilization: float = 0.9, **options: Any) -> list[str]:
+    """Why a user-given layout cannot serve this model on this cluster; empty when it can."""
+    return list(evaluate(shape, layout, cluster, dtype=dtype, max_model_len=max_model_len,
+                         gpu_memory_utilization=gpu_memory_utilization, **options).problems)
+
+
+# ---------------------------------------------------------------- search
+
+def candidate_layouts(shape: ModelShape, cluster: ClusterSpec, s: PlanSettings) -> list[Layout]:
+    """Tensor: powers of two dividing a node (or whole nodes, if allowed). Pipeline only on top of the
+    largest tensor size the model allows within a node: stages that divide a node or span whole nodes
+    (never on CPU). Replicas: as many as fit."""
+    slots, nodes = slots_per_node(cluster), cluster.nodes
+    tensors = [t for t in _powers_of_two(slots) if slots % t == 0]
+    valid = [t for t in tensors if not structural_problems(shape, Layout(tensor=t), cluster, s)]
+    widest = max(valid, default=0)
+    if s.allow_cross_node_tensor:
+        tensors += [slots * k for k in _powers_of_two(nodes)[1:] if nodes % k == 0]
+    layouts = []
+    for tp in tensors:
+        stages = range(1, (slots * nodes) // tp + 1) if (tp == widest and cluster.gpus_per_node) else [1]
+        for pp in stages:
+            workers = tp * pp
+            if workers <= slots and slots % workers == 0:
+                layouts.append(Layout(tensor=tp, pipeline=pp, replicas=nodes * (slots // workers)))
+            elif workers % slots == 0 and workers // slots <= nodes:
+                layouts.append(Layout(tensor=tp, pipeline=pp, replicas=nodes // (workers // slots)))
+    return layouts
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [2**i for i in range(limit.bit_length()) if 2**i <= limit]
+
+
+def plan(shape: ModelShape, cluster: ClusterSpec, *, dtype: str = "auto", max_model_len: int | None = None,
+         gpu_memory_utilization: float = 0.9, **options: Any) -> Plan:
+    """Evaluate every candidate layout; rank those that fit by score (ties: more KV tokens, fewer workers)."""
+    s = resolve_settings(shape, make_settings(dtype=dtype, max_model_len=max_model_len,
+                                              gpu_memory_utilization=gpu_memory_utilization, **options))
+    evaluated = [_evaluate(shape, layout, cluster, s) for layout in candidate_layouts(shape, cluster, s)]
+    ranked = sorted((c for c in evaluated if c.fits),
+                    key=lambda c: (-c.score, -c.kv_tokens_per_replica, c.layout.workers_per_replica))
+    return Plan(shape, cluster, s, tuple(ranked), tuple(c for c in evaluated if not c.fits))
+
+
+def config_options(cfg: DeploymentConfig) -> dict[str, Any]:
+    """The planner's settings from a deployment file: model.dtype, model.max_model_len, model.quantization,
+    engine.env VLLM_CPU_KVCACHE_SPACE, and engine.args --gpu-memory-utilization, --kv-cache-dtype,
+    --max-num-batched-tokens, --max-num-seqs."""
+    args = cfg.engine.args
+    options: dict[str, Any] = {"quantization": cfg.model.quantization, "dtype": cfg.model.dtype,
+                               "max_model_len": cfg.model.max_model_len,
+                               "gpu_memory_utilization": float(engine_arg(args, "--gpu-memory-utilization") or 0.9)}
+    for flag, key, kind in (("--kv-cache-dtype", "kv_cache_dtype", str), ("--max-num-batched-tokens", "max_num_batched_tokens", int),
+                            ("--max-num-seqs", "max_num_seqs", int)):
+        value = engine_arg(args, flag)
+        if value is not None:
+            options[key] = kind(value)
+    space = cfg.engine.env.get("VLLM_CPU_KVCACHE_SPACE")
+    if space is not None:
+        options["kv_cache_bytes_per_worker"] = int(float(space) * GIB)
+    return options
+
+
+def plan_for_config(cfg: DeploymentConfig, model_config: dict[str, Any]) -> Plan:
+    """The plan for a deployment file (settings: see config_options)."""
+    return plan(ModelShape.from_config(model_config), cfg.cluster, **config_options(cfg))
+
+
+def check_config_layout(cfg: DeploymentConfig, model_config: dict[str, Any], layout: Layout) -> list[str]:
+    """Why the deployment's own layout cannot serve its model, before anything is submitted."""
+    return check_layout(ModelShape.from_config(model_config), layout, cfg.cluster, **config_options(cfg))
+
+
+def engine_arg(args: list[str], flag: str) -> str | None:
+    """The value of `--flag V` or `--flag=V` in a vLLM argument list (the last one wins), else None."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+# ---------------------------------------------------------------- presentation
+
+def size(n: float) -> str:
+    return f"{n / GIB:.1f} GiB" if n >= GIB / 10 or n == 0 else f"{n / 2**20:.1f} MiB"
+
+
+def describe(layout: Layout) -> str:
+    return f"tensor {layout.tensor} x pipeline {layout.pipeline} x replicas {layout.replicas}"
+
+
+def explain(p: Plan) -> list[str]:
+    s, unit = p.settings, ("GPU" if p.cluster.gpus_per_node else "CPU worker")
+    total = estimate_weights_bytes(p.shape, s.dtype, s.quantization)
+    lines = [f"Model: {size(total)} of weights in {s.dtype}{' (' + s.quantization + ')' if s.quantization else ''}, "
+             f"{kv_bytes_per_token(p.shape, s.dtype, s.kv_cache_dtype) / 1024:.0f} KiB of KV cache per token; "
+             f"max_model_len {s.max_model_len:,}"]
+    best = p.best
+    if best is None:
+        return lines + ["No layout fits:"] + [f"  {describe(c.layout)}: {'; '.join(c.problems)}" for c in p.rejected]
+    lay = best.layout
+    lines += [
+        f"Best: {describe(lay)} ({lay.workers_per_replica * lay.replicas} {unit}s), score {best.score:.2f}",
+        f"Weights: {size(best.weights_bytes_per_worker)} per {unit}; reserve for activations and runtime "
+        f"{size(best.reserve_bytes_per_worker)}; KV cache {size(best.kv_bytes_per_worker)} per {unit}",
+        f"KV cache: {best.kv_tokens_per_replica:,} tokens per replica, {best.kv_tokens_per_replica * lay.replicas:,} in all",
+        f"Concurrent sequences at max_model_len {s.max_model_len:,}: {best.max_concurrency:.1f} per replica, "
+        f"{best.max_concurrency * lay.replicas:.1f} in all",
+    ]
+    if len(p.ranked) > 1:
+        lines.append(why_better(best, p.ranked[1], s))
+    if not p.cluster.gpus_per_node:
+        lines.append("CPU: KV cache is VLLM_CPU_KVCACHE_SPACE per worker; host memory for weights is not checked")
+    return lines
+
+
+def why_better(best: Candidate, other: Candidate, s: PlanSettings) -> str:
+    reasons = []
+    if other.tp_efficiency < best.tp_efficiency:
+        reasons.append(f"its tensor {other.layout.tensor} runs each worker at {other.tp_efficiency:.2f} of TP=1 "
+                       f"(communication) against {best.tp_efficiency:.2f}")
+    if other.pp_efficiency < best.pp_efficiency:
+        reasons.append(f"its pipeline {other.layout.pipeline} loses {1 - other.pp_efficiency:.0%} to bubbles")
+    if other.kv_factor < best.kv_factor:
+        reasons.append(f"its KV cache holds only {other.max_concurrency:.1f} sequences of max_model_len per replica "
+                       f"(fewer than {s.min_concurrent_seqs:g} caps batching)")
+    if not reasons:
+        reasons.append("it uses fewer workers in all" if other.score < best.score else "it ties and holds fewer KV tokens")
+    return (f"Runner-up: {describe(other.layout)}, score {other.score:.2f}: " + "; ".join(reasons))
+
+
+def render_plan_table(p: Plan) -> Table:
+    """A rich Table of every candidate, best first, rejected last with the reason."""
+    from rich.table import Table
+
+    table = Table(title=f"Layouts at max_model_len {p.settings.max_model_len:,} ({p.settings.dtype})")
+    for column in ("#", "tensor", "pipeline", "replicas", "weights/worker", "KV/worker", "KV tokens/replica",
+                   "seqs@max_len", "score", "note"):
+        table.add_column(column, justify="left" if column == "note" else "right")
+    for rank, c in enumerate(p.ranked + p.rejected, start=1):
+        note = "; ".join(c.problems) if c.problems else ("best" if rank == 1 else "")
+        table.add_row(str(rank) if c.fits else "-", str(c.layout.tensor), str(c.layout.pipeline), str(c.layout.replicas),
+                      size(c.weights_bytes_per_worker), size(c.kv_bytes_per_worker),
+                      f"{c.kv_tokens_per_replica:,}", f"{c.max_concurrency:.1f}", f"{c.score:.2f}", note,
+                      style="dim" if c.problems else None)
+    return table

@@ -1,0 +1,278 @@
+"""The one interface to Slurm's commands (sbatch, squeue, scontrol, sacct, scancel).
+
+Every call is an argument list (no shell) with a timeout, run through a swappable `runner`, so
+tests hand in a fake one instead of patching this module (like an httpx transport). The default
+runner inherits the environment, so SLURM_CONF and PATH reach Slurm. Failures raise SlurmError
+quoting the command's output, with a hint from hpcserve.slurm.parse.diagnose.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from hpcserve.errors import HpcserveError, SlurmError, UsageError
+from hpcserve.slurm.parse import (
+    SACCT_FORMAT,
+    SQUEUE_FORMAT,
+    SlurmParseError,
+    SlurmProblem,
+    diagnose,
+    optional,
+    parse_hostnames,
+    parse_sacct,
+    parse_sbatch_parsable,
+    parse_scontrol_jobs,
+    parse_squeue,
+)
+from hpcserve.slurm.states import JobInfo
+
+Runner = Callable[[list[str], float], "subprocess.CompletedProcess[str]"]
+
+DEFAULT_TIMEOUT_S = 30.0
+SCRIPT_NAME = "job.sbatch"
+
+
+class SlurmJobNotFound(SlurmError):
+    """No Slurm command knows the job: squeue, scontrol and accounting were all asked."""
+
+    def __init__(self, job_id: str, answers: list[str]):
+        self.job_id = job_id
+        hint = (f"Slurm does not know job {job_id}: it never existed, or it ended longer ago than the "
+                "controller keeps jobs (MinJobAge) and accounting has no record of it")
+        super().__init__(["squeue", "scontrol", "sacct"], 1, "\n".join(answers), hint)
+        self.args = (f"Slurm job {job_id} not found. What each command said:\n"
+                     + "\n".join(f"  {answer}" for answer in answers) + f"\nHint: {hint}",)
+
+
+class JobWaitTimeout(HpcserveError):
+    """wait_for's deadline passed; `info` is the job as last seen."""
+
+    def __init__(self, job_id: str, info: JobInfo, timeout_s: float):
+        self.job_id = job_id
+        self.info = info
+        super().__init__(f"Slurm job {job_id} is still {info.describe()} after {timeout_s:g} s")
+
+
+def run_subprocess(argv: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """The default runner: no shell, no stdin, the caller's environment, text output."""
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL, check=False)
+
+
+class SlurmClient:
+    def __init__(self, runner: Runner | None = None, timeout: float = DEFAULT_TIMEOUT_S,
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep):
+        self._runner = runner or run_subprocess
+        self._timeout = timeout
+        self._clock = clock
+        self._sleep = sleep
+
+    # ------------------------------------------------------------ public API
+
+    def submit(self, script_text: str, workdir: Path) -> str:
+        """Write the script to workdir/job.sbatch, sbatch it, return the job id.
+
+        The folders of the script's #SBATCH --output/--error are created first: Slurm does not
+        create them, and a job whose log folder is missing fails without any log.
+        """
+        workdir = Path(workdir)
+        workdir.mkdir(parents=True, exist_ok=True)
+        script = workdir / SCRIPT_NAME
+        script.write_text(script_text)
+        for folder in log_folders(script_text):
+            folder.mkdir(parents=True, exist_ok=True)
+        argv = ["sbatch", "--parsable", str(script)]
+        result = self._checked(argv)
+        try:
+            return parse_sbatch_parsable(result.stdout).job_id
+        except SlurmParseError as exc:
+            raise SlurmError(argv, result.returncode, combined_output(result),
+                             hint=f"{exc} (is sbatch wrapped by a site script?)") from None
+
+    def job(self, job_id: str) -> JobInfo:
+        """The job's state: squeue (cheap, live), then scontrol (exit codes of finished jobs, kept
+        for MinJobAge), then accounting (sacct, or sacct -c without slurmdbd)."""
+        job_id = checked_job_id(job_id)
+        said: list[str] = []
+        queued = self._from_squeue(job_id, said)
+        if queued is not None and not queued.state.finished:
+            return queued
+        found = self._from_scontrol(job_id, said) or queued or self._from_accounting(job_id, said)
+        if found is None:
+            raise SlurmJobNotFound(job_id, said)
+        return found
+
+    def cancel(self, job_id: str, signal: str | None = None) -> None:
+        """Cancel the job, or only send it `signal` (e.g. "TERM") for a graceful stop.
+
+        With a signal, --full makes it reach the batch script (the hpcserve driver) too: plain
+        --signal only reaches job steps. A job Slurm no longer knows counts as cancelled.
+        """
+        job_id = checked_job_id(job_id)
+        argv = ["scancel"]
+        if signal is not None:
+            argv += [f"--signal={checked_signal(signal)}", "--full"]
+        argv.append(job_id)
+        result = self._run(argv)
+        if result.returncode != 0 and diagnose(combined_output(result)).problem is not SlurmProblem.INVALID_JOB_ID:
+            raise self._error(argv, result)
+
+    def hostnames(self, nodelist: str) -> list[str]:
+        """Slurm's own expansion of a node list ("hsn[1-3]" -> hsn1, hsn2, hsn3)."""
+        if optional(nodelist) is None:
+            return []
+        argv = ["scontrol", "show", "hostnames", nodelist]
+        result = self._checked(argv)
+        try:
+            return parse_hostnames(result.stdout, result.stderr)
+        except SlurmParseError as exc:
+            raise SlurmError(argv, result.returncode, combined_output(result), hint=str(exc)) from None
+
+    def wait_for(self, job_id: str, predicate: Callable[[JobInfo], bool], timeout: float,
+                 poll: float = 2.0, max_poll: float = 15.0) -> JobInfo:
+        """Poll until predicate(info) holds or the job has finished (it cannot change any more);
+        return the last JobInfo, so check it. Raises JobWaitTimeout after `timeout` seconds.
+
+        Polls start every `poll` seconds and back off by 1.5x up to `max_poll`, to spare the
+        controller; deadlines use the monotonic clock.
+        """
+        deadline = self._clock() + timeout
+        delay = poll
+        while True:
+            info = self.job(job_id)
+            if predicate(info) or info.state.finished:
+                return info
+            remaining = deadline - self._clock()
+            if remaining <= 0:
+                raise JobWaitTimeout(job_id, info, timeout)
+            self._sleep(min(delay, remaining))
+            delay = min(delay * 1.5, max_poll)
+
+    # ------------------------------------------------------------ lookups behind job()
+
+    def _from_squeue(self, job_id: str, said: list[str]) -> JobInfo | None:
+        # --states=all: without it squeue hides finished jobs even when asked for them by id.
+        argv = ["squeue", "--noheader", "--states=all", f"--jobs={job_id}", f"--format={SQUEUE_FORMAT}"]
+        return self._lookup(argv, parse_squeue, job_id, said)
+
+    def _from_scontrol(self, job_id: str, said: list[str]) -> JobInfo | None:
+        argv = ["scontrol", "show", "job", "-o", job_id]
+        return self._lookup(argv, parse_scontrol_jobs, job_id, said)
+
+    def _from_accounting(self, job_id: str, said: list[str]) -> JobInfo | None:
+        argv = ["sacct", "--parsable2", "--noheader", f"--jobs={job_id}", f"--format={SACCT_FORMAT}"]
+        try:
+            return self._lookup(argv, parse_sacct, job_id, said)
+        except SlurmError as exc:
+            said.append(f"{command_label(argv)}: {exc.output}")
+            if diagnose(exc.output).problem is not SlurmProblem.ACCOUNTING_DISABLED:
+                return None  # e.g. slurmdbd down: report what was asked, not this error
+        # No slurmdbd: `sacct -c` reads the job completion file, if the cluster writes one.
+        argv.insert(1, "-c")
+        try:
+            return self._lookup(argv, parse_sacct, job_id, said)
+        except SlurmError as exc:
+            said.append(f"{command_label(argv)}: {exc.output}")
+            return None
+
+    def _lookup(self, argv: list[str], parse: Callable[[str], list[JobInfo]], job_id: str,
+                said: list[str]) -> JobInfo | None:
+        """Run one query; None if it does not know the job (noted in `said`); raise on real errors."""
+        result = self._run(argv)
+        if result.returncode != 0:
+            output = combined_output(result)
+            if diagnose(output).problem is SlurmProblem.INVALID_JOB_ID:
+                said.append(f"{command_label(argv)}: {output}")
+                return None
+            raise self._error(argv, result)
+        try:
+            jobs = parse(result.stdout)
+        except SlurmParseError as exc:
+            raise SlurmError(argv, result.returncode, combined_output(result), hint=str(exc)) from None
+        match = next((info for info in jobs if info.job_id == job_id), None)
+        if match is None:
+            said.append(f"{command_label(argv)}: no such job in its output")
+        return match
+
+    # ------------------------------------------------------------ running commands
+
+    def _checked(self, argv: list[str]) -> subprocess.CompletedProcess[str]:
+        result = self._run(argv)
+        if result.returncode != 0:
+            raise self._error(argv, result)
+        return result
+
+    def _run(self, argv: list[str]) -> subprocess.CompletedProcess[str]:
+        try:
+            return self._runner(argv, self._timeout)
+        except subprocess.TimeoutExpired as exc:
+            output = as_text(exc.stderr) + as_text(exc.stdout)
+            raise SlurmError(argv, None, output,
+                             hint=f"no answer within {self._timeout:g} s: the controller may be overloaded or "
+                                  "unreachable; `scontrol ping` shows its state") from None
+        except FileNotFoundError:
+            raise SlurmError(argv, 127, f"{argv[0]}: command not found",
+                             hint="Slurm's client commands are not on PATH: run on a login node, or load "
+                                  "the site's Slurm module") from None
+
+    def _error(self, argv: list[str], result: subprocess.CompletedProcess[str]) -> SlurmError:
+        output = combined_output(result)
+        return SlurmError(argv, result.returncode, output, hint=diagnose(output).hint)
+
+
+# ---------------------------------------------------------------- small pure helpers
+
+_JOB_ID = re.compile(r"^\d+(_\d+)?$")  # 123, or 123_4 for one task of a job array
+_SIGNAL = re.compile(r"^(SIG)?[A-Z][A-Z0-9]*$|^\d+$")
+
+
+def checked_job_id(job_id: str) -> str:
+    text = str(job_id).strip()
+    if not _JOB_ID.match(text):
+        raise UsageError(f"{job_id!r} is not a Slurm job id: expected digits such as 12345")
+    return text
+
+
+def checked_signal(signal: str) -> str:
+    if not _SIGNAL.match(signal):
+        raise UsageError(f"{signal!r} is not a signal: use a name such as TERM or INT, or a number")
+    return signal
+
+
+def command_label(argv: list[str]) -> str:
+    """ "sacct -c" for the completion-file query, else the command name."""
+    return " ".join(argv[:2]) if argv[1:2] == ["-c"] else argv[0]
+
+
+def combined_output(result: subprocess.CompletedProcess[str]) -> str:
+    """stderr first (where Slurm writes its errors), then stdout."""
+    return "\n".join(part.strip() for part in (result.stderr or "", result.stdout or "") if part.strip())
+
+
+def as_text(data: str | bytes | None) -> str:
+    # subprocess.TimeoutExpired carries bytes even when text=True was asked for.
+    if isinstance(data, bytes):
+        return data.decode(errors="replace")
+    return data or ""
+
+
+_LOG_DIRECTIVE = re.compile(r"^#SBATCH\s+(?:--output|--error|-o|-e)(?:=|\s+)(.+)$", re.MULTILINE)
+
+
+def log_folders(script_text: str) -> list[Path]:
+    """Folders of the script's #SBATCH --output/--error files (those without % patterns in them)."""
+    folders = []
+    for match in _LOG_DIRECTIVE.finditer(script_text):
+        try:
+            words = shlex.split(match.group(1), comments=True)  # sbatch reads quoted values too
+        except ValueError:  # unbalanced quotes: sbatch will say so itself
+            continue
+        folder = Path(words[0]).parent if words else None
+        if folder is not None and "%" not in str(folder) and folder not in folders:
+            folders.append(folder)
+    return folders

@@ -1,0 +1,147 @@
+"""The embedded default, for real: `hpcserve up examples/local.yaml` -> Ray -> vLLM on CPU -> answers.
+
+One deployment for the whole module (vLLM takes tens of seconds to start on 2 cores); the last test
+stops it and checks that nothing it started is still alive.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from helpers import REPO, alive, free_port, process_tree, run_cli, write_config
+
+pytestmark = pytest.mark.slow
+PROMPT = "the quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def deployment(hpcserve_home, tmp_path_factory):
+    work = tmp_path_factory.mktemp("local")
+    port = free_port()
+    config = write_config(work / "local.yaml", REPO / "examples" / "local.yaml", name="t-local",
+                          serve={"port": port}, results_dir=str(work / "results"))
+    up = run_cli("up", str(config), "--timeout", "600", env={"HPCSERVE_API_KEY": ""})
+    info = {"up": up, "config": config, "port": port}
+    if up.returncode == 0:
+        status = json.loads(run_cli("status", "t-local", "--json").stdout)[0]
+        run_dir = Path(status["run_dir"])
+        info.update(status=status, run_dir=run_dir, url=f"http://127.0.0.1:{port}",
+                    key=(run_dir / "api_key").read_text().strip(),
+                    driver_tree=process_tree(json.loads((run_dir / "state.json").read_text())["driver_pid"]))
+    yield info
+    run_cli("down", "t-local")
+
+
+def client(deployment):
+    from openai import OpenAI
+
+    return OpenAI(base_url=deployment["url"] + "/v1", api_key=deployment["key"], timeout=120)
+
+
+def test_up_reports_ready_with_url_and_a_real_answer(deployment):
+    up = deployment["up"]
+    assert up.returncode == 0, up.stdout + up.stderr
+    assert "ready" in up.stdout
+    assert f"http://127.0.0.1:{deployment['port']}/v1" in up.stdout
+    assert "answer to 'Hello, my name is':" in up.stdout
+    assert "Traceback" not in up.stdout + up.stderr
+
+
+def test_stages_recorded_in_timeline(deployment):
+    timeline = json.loads((deployment["run_dir"] / "timeline.json").read_text())
+    done = [e["stage"] for e in timeline if e["event"] == "done"]
+    assert done[:3] == ["ray", "health", "engine"]
+    health = json.loads((deployment["run_dir"] / "health.json").read_text())
+    assert health["ok"] and len(health["nodes"]) == 1
+
+
+def test_status_tells_ready_and_healthy(deployment):
+    status = deployment["status"]
+    assert status["status"] == "ready"
+    assert [r["healthy"] for r in status["replicas"]] == [True]
+
+
+def test_completion_and_chat_with_openai_client(deployment):
+    api = client(deployment)
+    completion = api.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
+    assert completion.usage.completion_tokens == 8 and completion.choices[0].text
+    chat = api.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello"}],
+                                       max_tokens=8, temperature=0)
+    assert chat.choices[0].message.content is not None and chat.usage.completion_tokens >= 1
+
+
+def test_streaming_completion_and_chat(deployment):
+    api = client(deployment)
+    chunks = list(api.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, stream=True))
+    assert len([c for c in chunks if c.choices and c.choices[0].text]) >= 2
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    whole = api.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text
+    assert streamed == whole
+    chat_args = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=12, temperature=0,
+                     extra_body={"ignore_eos": True})
+    chat_chunks = list(api.chat.completions.create(**chat_args, stream=True, stream_options={"include_usage": True}))
+    assert chat_chunks[-1].usage.completion_tokens == 12
+    assert len([c for c in chat_chunks if c.choices]) >= 2
+    streamed_chat = "".join(c.choices[0].delta.content or "" for c in chat_chunks if c.choices)
+    assert streamed_chat == api.chat.completions.create(**chat_args).choices[0].message.content
+
+
+def test_api_key_required(deployment):
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2}
+    assert httpx.post(deployment["url"] + "/v1/completions", json=body, timeout=30).status_code == 401
+    wrong = {"Authorization": "Bearer wrong"}
+    assert httpx.post(deployment["url"] + "/v1/completions", json=body, headers=wrong, timeout=30).status_code == 401
+
+
+def test_api_key_not_in_process_list(deployment):
+    key = deployment["key"]
+    for proc in alive(deployment["driver_tree"]):
+        assert key not in " ".join(proc.cmdline())
+
+
+def test_greedy_output_matches_transformers(deployment):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hpcserve.models.tiny import tiny_model_path
+
+    path = tiny_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    expected = model.generate(ids, max_new_tokens=16, do_sample=False, min_new_tokens=16)[0, ids.shape[1]:].tolist()
+    reply = httpx.post(deployment["url"] + "/v1/completions", timeout=60,
+                       headers={"Authorization": f"Bearer {deployment['key']}"},
+                       json={"model": "tiny", "prompt": ids[0].tolist(), "max_tokens": 16, "temperature": 0,
+                             "ignore_eos": True, "return_token_ids": True}).json()
+    got = reply["choices"][0]["token_ids"]
+    assert got == expected
+
+
+def test_logs_lists_every_component(deployment):
+    listing = run_cli("logs", "t-local", "--list").stdout
+    for part in ("driver.log", "ray-start.log", "engines/replica0-rank0", "health.json", "timeline.json"):
+        assert part in listing, listing
+
+
+def test_second_up_with_same_name_is_refused(deployment):
+    again = run_cli("up", str(deployment["config"]))
+    assert again.returncode == 2
+    assert "already running" in again.stderr and "Traceback" not in again.stderr
+
+
+def test_zz_down_leaves_no_process(deployment):
+    tree = deployment["driver_tree"]
+    assert len(tree) > 5  # driver, node, ray start, gcs, raylet, engine host, vLLM ...
+    down = run_cli("down", "t-local")
+    assert down.returncode == 0, down.stderr
+    left = alive(tree)
+    assert not left, [(p.pid, p.cmdline()[:3]) for p in left]
+    assert not any(c.laddr.port == deployment["port"] for c in psutil.net_connections("tcp") if c.status == "LISTEN")
+    status = run_cli("status", "t-local")
+    assert status.returncode == 2 and "no deployment named" in status.stderr

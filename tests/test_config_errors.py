@@ -1,0 +1,112 @@
+"""Broken configs: `hpcserve up` exits with code 2, one clear message naming the field, no traceback,
+and nothing started (no registry entry, no run folder, no process)."""
+
+from __future__ import annotations
+
+import socket
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from helpers import REPO, free_port, run_cli
+
+LOCAL = yaml.safe_load((REPO / "examples" / "local.yaml").read_text())
+
+
+def variant(**changes) -> str:
+    data = yaml.safe_load(yaml.safe_dump(LOCAL))
+    for dotted, value in changes.items():
+        node = data
+        *parents, last = dotted.split("__")
+        for key in parents:
+            node = node.setdefault(key, {})
+        if value is DELETE:
+            node.pop(last, None)
+        else:
+            node[last] = value
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+DELETE = object()
+
+CASES = {
+    "bad-yaml": ("name: x\nmodel:\n  path: [unclosed\n", "not valid YAML at line"),
+    "top-level-list": ("- a\n- b\n", "top level must be a mapping"),
+    "unknown-top-key": (variant(modle={"path": "x"}), "unknown key 'modle'. Valid keys here: name, model"),
+    "unknown-nested-key": (variant(cluster__gpu=2), "unknown key 'cluster.gpu'. Valid keys here: scheduler, nodes"),
+    "wrong-type": (variant(cluster__nodes="two"), "'cluster.nodes' = 'two'"),
+    "negative-gpus": (variant(cluster__gpus_per_node=-1), "'cluster.gpus_per_node' = -1: Input should be greater than or equal to 0"),
+    "missing-model": (variant(model=DELETE), "'model' is required"),
+    "missing-model-path": (variant(model__path=DELETE), "'model.path' is required"),
+    "model-folder-missing": (variant(model__path="/nonexistent/llama"), "'model.path' = '/nonexistent/llama': no such folder"),
+    "bad-dtype": (variant(model__dtype="fp8"), "'model.dtype' = 'fp8'"),
+    "port-out-of-range": (variant(serve__port=70000), "'serve.port' = 70000: Input should be less than or equal to 65535"),
+    "bad-name": (variant(name="My Model"), "'name' = 'My Model'"),
+    "local-multi-node": (variant(cluster__nodes=2), "scheduler 'local' runs on this machine only"),
+    "too-much-parallelism": (variant(parallelism={"tensor": 4, "pipeline": 1, "replicas": 1}),
+                             "parallelism needs 4 workers"),
+    "tensor-not-dividing-heads": (variant(parallelism={"tensor": 3, "pipeline": 1, "replicas": 1}, cluster__cpus_per_node=4),
+                                  "tensor 3 does not divide the 4 attention heads"),
+    "bad-slurm-time": (variant(cluster__time="1h"), "'cluster.time' = '1h': not a Slurm time"),
+    "ray-on-cpu": (variant(engine__executor="ray"), "engine.executor 'ray' needs GPUs"),
+    "api-key-in-args": (variant(engine__args=["--api-key", "secret"]), "--api-key would show in process lists"),
+    "open-host-without-key": (variant(serve__host="0.0.0.0", serve__api_key_env=None), "'serve.api_key_env' is not set"),
+    "unknown-builtin": (variant(model__path="builtin:gpt-9"), "unknown builtin model"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_broken_config_is_refused_cleanly(case, tmp_path, hpcserve_home):
+    text, expected = CASES[case]
+    text = text.replace("results_dir: results", f"results_dir: {tmp_path / 'results'}")
+    config = tmp_path / f"{case}.yaml"
+    config.write_text(text)
+    result = run_cli("up", str(config), timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    assert result.stderr.startswith("error:"), result.stderr
+    assert result.stderr.count("error:") == 1
+    assert expected in " ".join(result.stderr.split()), result.stderr
+    assert not (tmp_path / "results" / "logs").exists() or not any((tmp_path / "results" / "logs").iterdir())
+    assert not (hpcserve_home / "deployments").exists() or not any((hpcserve_home / "deployments").iterdir())
+
+
+def test_port_in_use_is_refused(tmp_path, hpcserve_home):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        config = tmp_path / "busy.yaml"
+        config.write_text(variant(serve__port=port, results_dir=str(tmp_path / "results")))
+        result = run_cli("up", str(config), timeout=120)
+    assert result.returncode == 2
+    assert f"port {port} is already in use" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "results" / "logs").exists() or not any((tmp_path / "results" / "logs").iterdir())
+
+
+def test_missing_file_and_bad_arguments(tmp_path):
+    missing = run_cli("up", str(tmp_path / "nope.yaml"))
+    assert missing.returncode == 2 and "no such file" in missing.stderr and "Traceback" not in missing.stderr
+    unknown = run_cli("down", "never-started")
+    assert unknown.returncode == 2 and "no deployment named 'never-started'" in unknown.stderr
+    bad_option = run_cli("up", "--no-such-option")
+    assert bad_option.returncode == 2 and "Traceback" not in bad_option.stderr
+
+
+def test_valid_examples_load():
+    from hpcserve.config import load_config
+
+    for example in sorted((REPO / "examples").glob("*.yaml")):
+        cfg = load_config(example)
+        assert cfg.name
+
+
+def test_layout_problem_is_pure_and_explains():
+    from hpcserve.config import ClusterSpec, Layout, layout_problem
+
+    gpu = ClusterSpec(scheduler="slurm", nodes=2, gpus_per_node=4)
+    assert layout_problem(Layout(tensor=4, pipeline=2), gpu) is None
+    assert "multiple of the GPUs per node" in layout_problem(Layout(tensor=3, pipeline=2), gpu)
+    assert "needs 16 workers" in layout_problem(Layout(tensor=8, pipeline=2), gpu)
