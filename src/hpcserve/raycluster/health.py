@@ -211,7 +211,9 @@ def run_health_check(nodes: int, gpus_per_node: int, rendezvous_port: int, out_d
             failures.append(Failure(t.source, f"object transfer to {t.destination} failed",
                                     "check that the nodes reach each other on Ray's ports (firewall, wrong NIC)"))
 
-    collective = measure_collective(alive, pin, names, gpus_per_node, rendezvous_port, out_dir, timeout_s)
+    real_gpus = bool(gpus_per_node) and all(r.nvml_gpus for r in reports)
+    collective = measure_collective(alive, pin, names, gpus_per_node if real_gpus else 0, rendezvous_port,
+                                    out_dir, timeout_s)
     if collective.error:
         failures.append(Failure("all", f"{collective.backend} all-reduce failed: {collective.error}",
                                 "check NCCL_SOCKET_IFNAME / InfiniBand setup; rerun with NCCL_DEBUG=INFO"))
@@ -265,6 +267,7 @@ def measure_transfers(alive: list[dict], pin: dict, names: dict, timeout_s: floa
 
 
 def measure_collective(alive, pin, names, gpus_per_node, port, out_dir, timeout_s) -> Collective:
+    """NCCL over one rank per GPU where NVML sees real GPUs; otherwise gloo over one rank per node."""
     import ray
 
     backend = "nccl" if gpus_per_node else "gloo"

@@ -65,6 +65,21 @@ def wait_for_tcp(address: str, deadline_s: float) -> None:
             time.sleep(0.2)
 
 
+STOP_FILE = "stop"
+
+
+def wait_for_exit_or_stop(child: subprocess.Popen, stop_file: Path) -> int:
+    """Until Ray exits; a stop file written by the driver (shared filesystem) stops it first. Signals
+    cannot be used for that: srun turns them into a kill after KillWait, before the logs are copied."""
+    while True:
+        try:
+            return child.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            if stop_file.exists():
+                child.send_signal(signal.SIGTERM)
+                return child.wait()
+
+
 def copy_logs(temp_dir: Path, dest: Path) -> None:
     logs = temp_dir / "session_latest" / "logs"
     if logs.is_dir():
@@ -112,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
-    code = child.wait()
+    code = wait_for_exit_or_stop(child, node_dir / STOP_FILE)
     copy_logs(temp_dir, node_dir)
     shutil.rmtree(temp_dir, ignore_errors=True)
     return code

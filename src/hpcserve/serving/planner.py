@@ -277,8 +277,10 @@ def plan_for_config(cfg: DeploymentConfig, model_config: dict[str, Any]) -> Plan
 
 
 def check_config_layout(cfg: DeploymentConfig, model_config: dict[str, Any], layout: Layout) -> list[str]:
-    """Why the deployment's own layout cannot serve its model, before anything is submitted."""
-    return check_layout(ModelShape.from_config(model_config), layout, cfg.cluster, **config_options(cfg))
+    """Why the deployment's own layout cannot serve its model, before anything is submitted. A layout the
+    user wrote down may put tensor parallel across nodes: that is asking for it."""
+    return check_layout(ModelShape.from_config(model_config), layout, cfg.cluster, **config_options(cfg),
+                        allow_cross_node_tensor=True)
 
 
 def engine_arg(args: list[str], flag: str) -> str | None:

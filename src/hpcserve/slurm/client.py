@@ -107,16 +107,17 @@ class SlurmClient:
             raise SlurmJobNotFound(job_id, said)
         return found
 
-    def cancel(self, job_id: str, signal: str | None = None) -> None:
+    def cancel(self, job_id: str, signal: str | None = None, batch_only: bool = False) -> None:
         """Cancel the job, or only send it `signal` (e.g. "TERM") for a graceful stop.
 
         With a signal, --full makes it reach the batch script (the hpcserve driver) too: plain
-        --signal only reaches job steps. A job Slurm no longer knows counts as cancelled.
+        --signal only reaches job steps. batch_only sends it to the batch script alone (--batch), so
+        the driver can stop the steps in its own order. A job Slurm no longer knows counts as cancelled.
         """
         job_id = checked_job_id(job_id)
         argv = ["scancel"]
         if signal is not None:
-            argv += [f"--signal={checked_signal(signal)}", "--full"]
+            argv += [f"--signal={checked_signal(signal)}", "--batch" if batch_only else "--full"]
         argv.append(job_id)
         result = self._run(argv)
         if result.returncode != 0 and diagnose(combined_output(result)).problem is not SlurmProblem.INVALID_JOB_ID:
