@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from hpcserve.benchmark.transport import OneWriteTransport
+from hpcserve.benchmark.transport import LeanTransport
 from hpcserve.state import Endpoint
 
 CONNECT_TIMEOUT_S = 10.0
@@ -184,7 +184,7 @@ def make_client(shape: LoadShape, timeout_s: float, transport: httpx.AsyncBaseTr
     """One pooled client per run. No proxies from the environment: a site proxy would sit inside every latency."""
     timeout = httpx.Timeout(connect=CONNECT_TIMEOUT_S, read=timeout_s, write=timeout_s, pool=timeout_s)
     limits = httpx.Limits(max_connections=shape.concurrency, max_keepalive_connections=shape.concurrency)
-    return httpx.AsyncClient(timeout=timeout, transport=transport or OneWriteTransport(limits), trust_env=False,
+    return httpx.AsyncClient(timeout=timeout, transport=transport or LeanTransport(limits), trust_env=False,
                              headers={"Accept-Encoding": "identity"})  # raw SSE bytes are parsed as they come
 
 

@@ -1,23 +1,26 @@
-"""An httpx transport that sends each HTTP request in one write.
+"""The load generator's httpx transport: httpcore's pool and HTTP/1.1 over a lean asyncio connection.
 
-httpx (via httpcore/h11) writes a request's headers and its body with two send() calls. On a busy
-machine every send() to a local server can hand the CPU to the server process (wakeup preemption),
-and the second one waits its turn again: measured here, two sends cost ~2x the latency of one and put
-that client overhead inside TTFT and throughput. aiohttp, which `vllm bench serve` uses, sends once.
-So writes are held until the connection's next read: for a request/response exchange that is exactly
-"headers + body, then read the response".
+Why not httpx's default transport: the load generator must not be what it measures.
+- httpx (via httpcore/h11) writes a request's headers and body with two send() calls. On a busy machine
+  each send() to a local server can hand the CPU to the server (wakeup preemption) and the second waits
+  its turn again; measured on the 2-core CI machine, that put tens of ms inside TTFT. aiohttp, which
+  `vllm bench serve` uses, sends once. So writes are held until the connection's next read, which for a
+  request/response exchange is exactly "headers + body, then read the response".
+- httpcore's anyio backend costs a cancel scope and several context managers per read, i.e. per streamed
+  token; plain asyncio streams cut the client's CPU per request by about a third (measured), and client
+  CPU is server CPU lost when both share a node.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import select
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import httpcore
 import httpx
-from httpcore._utils import is_socket_readable
 
 
 class _AsyncioStream(httpcore.AsyncNetworkStream):
@@ -60,10 +63,19 @@ class _AsyncioStream(httpcore.AsyncNetworkStream):
     def get_extra_info(self, info: str) -> Any:
         sock = self._writer.get_extra_info("socket")
         if info == "is_readable":  # asked before reusing a pooled connection: readable means closed by the server
-            return sock is None or is_socket_readable(sock)
+            return _readable(sock)
         return {"ssl_object": self._writer.get_extra_info("ssl_object"), "socket": sock,
                 "client_addr": self._writer.get_extra_info("sockname"),
                 "server_addr": self._writer.get_extra_info("peername")}.get(info)
+
+
+def _readable(sock: Any) -> bool:
+    """An idle pooled connection with bytes to read was closed (or broken) by the server: don't reuse it."""
+    if sock is None or sock.fileno() < 0:
+        return True
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 @contextlib.asynccontextmanager
@@ -112,8 +124,9 @@ class _ResponseBody(httpx.AsyncByteStream):
         await self._stream.aclose()
 
 
-class OneWriteTransport(httpx.AsyncBaseTransport):
-    """httpcore's connection pool over the one-write backend (timeouts come from the request, as usual)."""
+class LeanTransport(httpx.AsyncBaseTransport):
+    """httpcore's connection pool over lean asyncio connections. Timeouts come from the request as usual;
+    failures surface as httpcore's exceptions (same names as httpx's), which the load generator records."""
 
     def __init__(self, limits: httpx.Limits):
         self._pool = httpcore.AsyncConnectionPool(
