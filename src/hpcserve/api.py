@@ -88,7 +88,10 @@ def up(config_path: str | Path | DeploymentConfig, on_event: Callable[[Event], N
     try:
         result = follow(record, on_event, timeout_s or cfg.engine.startup_timeout_s + 600)
     except BaseException:  # a deadline, Ctrl-C: nothing half-started stays behind
-        stop(record)
+        try:
+            stop(record)
+        except HpcserveError as cleanup:  # report it, but the original failure is the news
+            print(f"while stopping after the failure: {cleanup}", file=sys.stderr)
         raise
     result.seconds = time.monotonic() - started
     if result.status != "ready":
@@ -290,6 +293,7 @@ def _stop_local(record: Record, timeout_s: float) -> list[int]:
 
 def _cancel_job(record: Record, timeout_s: float, grace_s: float = 0.0) -> None:
     from hpcserve.slurm.client import JobWaitTimeout, SlurmClient
+    from hpcserve.slurm.states import JobState
 
     client = SlurmClient()
     info = _job(record)
@@ -301,6 +305,10 @@ def _cancel_job(record: Record, timeout_s: float, grace_s: float = 0.0) -> None:
                 return
         except JobWaitTimeout:
             pass
+    if info.state is JobState.PENDING:  # nothing runs yet: a signal has nowhere to go
+        client.cancel(record.job_id)
+        client.wait_for(record.job_id, lambda j: j.state.finished, timeout=timeout_s, poll=0.5)
+        return
     # TERM to the batch shell alone: the driver stops engines, then Ray, in order (TERM to every step
     # at once kills the Ray head under the driver's feet). If it hangs past the deadline, a plain
     # scancel lets Slurm kill everything.

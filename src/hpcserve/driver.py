@@ -22,6 +22,8 @@ import time
 import traceback
 from pathlib import Path
 
+import psutil
+
 from hpcserve.config import DeploymentConfig, Layout, load_config
 from hpcserve.errors import HpcserveError, StageError
 from hpcserve.state import read_api_key
@@ -60,7 +62,9 @@ def run(run_dir: Path) -> int:
     cfg = load_config(run_dir / "config.yaml")
     local = cfg.cluster.scheduler == "local"
     progress = Progress(run_dir)
-    progress.update(driver_pid=os.getpid(), driver_host=socket.gethostname(), status="starting")
+    # In a job the driver replaced the batch shell (exec): its process start is the job's start.
+    progress.update(driver_pid=os.getpid(), driver_host=socket.gethostname(), status="starting",
+                    job_started=psutil.Process().create_time())
     api_key = os.environ.get(cfg.serve.api_key_env or "", "") or read_api_key(run_dir)
     run_id = run_dir.name
     cluster = None

@@ -8,6 +8,10 @@ Modelled on vLLM's benchmark request functions so numbers are comparable with `v
   chunk (`stream_options.include_usage`), or, when a server sends none, from counting chunks.
 A failed request becomes a RequestOutput with ok=False and the error text; nothing here raises
 for a bad response. The whole run has one deadline on the monotonic clock.
+
+HTTP is aiohttp, the stack `vllm bench serve` itself uses: one pooled session per run, its connector
+limited to the run's concurrency and keeping connections alive between requests. On a machine shared
+with the server, client CPU is server CPU lost, so a client as light as vLLM's keeps the figures comparable.
 """
 
 from __future__ import annotations
@@ -16,12 +20,11 @@ import asyncio
 import json
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 
-from hpcserve.benchmark.transport import LeanTransport
 from hpcserve.state import Endpoint
 
 CONNECT_TIMEOUT_S = 10.0
@@ -109,18 +112,6 @@ def parse_sse_line(line: bytes) -> dict | None:
     return json.loads(payload)
 
 
-async def sse_lines(response: httpx.Response) -> AsyncIterator[bytes]:
-    """Lines of an event stream as bytes arrive (lighter than httpx's text decoding: this is the hot loop)."""
-    pending = b""
-    async for part in response.aiter_raw():
-        pending += part
-        *lines, pending = pending.split(b"\n")
-        for line in lines:
-            yield line
-    if pending:
-        yield pending
-
-
 @dataclass
 class _StreamTimer:
     """Mutable while the stream is read; frozen into a RequestOutput at the end."""
@@ -159,18 +150,18 @@ class _StreamTimer:
         return RequestOutput(ok=False, error=error, start_s=self.sent_at - run_start)
 
 
-async def send_request(client: httpx.AsyncClient, endpoint: Endpoint, request: RequestInput,
+async def send_request(session: aiohttp.ClientSession, endpoint: Endpoint, request: RequestInput,
                        ignore_eos: bool, run_start: float) -> RequestOutput:
     """Send one streaming completion and time it. Never raises for a failed request."""
     timer = _StreamTimer(sent_at=time.perf_counter())
     body = completion_body(endpoint.model or "", request, ignore_eos)
     try:
-        async with client.stream("POST", f"{endpoint.base_url}/v1/completions", json=body,
-                                 headers=auth_headers(endpoint.api_key)) as response:
-            if response.status_code != 200:
-                text = (await response.aread()).decode(errors="replace")[:ERROR_BODY_CHARS]
-                return timer.failure(f"HTTP {response.status_code}: {text}", run_start)
-            async for line in sse_lines(response):
+        async with session.post(f"{endpoint.base_url}/v1/completions", json=body,
+                                headers=auth_headers(endpoint.api_key)) as response:
+            if response.status != 200:
+                text = (await response.read()).decode(errors="replace")[:ERROR_BODY_CHARS]
+                return timer.failure(f"HTTP {response.status}: {text}", run_start)
+            async for line in response.content:  # one SSE line at a time, as bytes arrive
                 data = parse_sse_line(line)
                 if data is not None:
                     timer.on_chunk(data, time.perf_counter())
@@ -179,13 +170,18 @@ async def send_request(client: httpx.AsyncClient, endpoint: Endpoint, request: R
     return timer.output(request, run_start)
 
 
-def make_client(shape: LoadShape, timeout_s: float, transport: httpx.AsyncBaseTransport | None = None
-                ) -> httpx.AsyncClient:
-    """One pooled client per run. No proxies from the environment: a site proxy would sit inside every latency."""
-    timeout = httpx.Timeout(connect=CONNECT_TIMEOUT_S, read=timeout_s, write=timeout_s, pool=timeout_s)
-    limits = httpx.Limits(max_connections=shape.concurrency, max_keepalive_connections=shape.concurrency)
-    return httpx.AsyncClient(timeout=timeout, transport=transport or LeanTransport(limits), trust_env=False,
-                             headers={"Accept-Encoding": "identity"})  # raw SSE bytes are parsed as they come
+def make_session(shape: LoadShape, timeout_s: float) -> aiohttp.ClientSession:
+    """One pooled session per run, at most `concurrency` connections (None: no limit), kept alive.
+
+    Timeouts: CONNECT_TIMEOUT_S to open a connection; timeout_s to get a free one from the pool, and
+    between two reads of a response (a stalled stream); no total (the run's deadline bounds everything).
+    No proxies from the environment (trust_env=False): a site proxy would sit inside every latency.
+    """
+    connector = aiohttp.TCPConnector(limit=shape.concurrency or 0, limit_per_host=0, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=None, connect=timeout_s, sock_connect=CONNECT_TIMEOUT_S,
+                                    sock_read=timeout_s)
+    return aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=False,
+                                 headers={"Accept-Encoding": "identity"})  # raw SSE bytes, parsed as they come
 
 
 async def run_load(endpoints: Sequence[Endpoint], inputs: Sequence[RequestInput], shape: LoadShape,
@@ -199,11 +195,11 @@ async def run_load(endpoints: Sequence[Endpoint], inputs: Sequence[RequestInput]
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s  # loop.time() is the monotonic clock
     slots = asyncio.Semaphore(shape.concurrency) if shape.concurrency else None
-    async with make_client(shape, timeout_s) as client:
+    async with make_session(shape, timeout_s) as session:
         run_start = time.perf_counter()
 
         async def one(index: int) -> RequestOutput:
-            output = await _send_on_time(client, endpoints[index % len(endpoints)], inputs[index],
+            output = await _send_on_time(session, endpoints[index % len(endpoints)], inputs[index],
                                          run_start + offsets[index], slots, deadline, ignore_eos, run_start)
             if on_done:
                 on_done(output)
@@ -213,7 +209,7 @@ async def run_load(endpoints: Sequence[Endpoint], inputs: Sequence[RequestInput]
         return LoadResult(outputs=list(outputs), duration_s=time.perf_counter() - run_start)
 
 
-async def _send_on_time(client: httpx.AsyncClient, endpoint: Endpoint, request: RequestInput, send_at: float,
+async def _send_on_time(session: aiohttp.ClientSession, endpoint: Endpoint, request: RequestInput, send_at: float,
                         slots: asyncio.Semaphore | None, deadline: float, ignore_eos: bool,
                         run_start: float) -> RequestOutput:
     """Wait for the arrival time and a free slot, then send; give up at the run deadline."""
@@ -221,9 +217,9 @@ async def _send_on_time(client: httpx.AsyncClient, endpoint: Endpoint, request: 
         async with asyncio.timeout_at(deadline):
             await asyncio.sleep(max(0.0, send_at - time.perf_counter()))
             if slots is None:
-                return await send_request(client, endpoint, request, ignore_eos, run_start)
+                return await send_request(session, endpoint, request, ignore_eos, run_start)
             async with slots:
-                return await send_request(client, endpoint, request, ignore_eos, run_start)
+                return await send_request(session, endpoint, request, ignore_eos, run_start)
     except TimeoutError:
         return RequestOutput(ok=False, error="run deadline reached (see --timeout)",
                              start_s=time.perf_counter() - run_start)

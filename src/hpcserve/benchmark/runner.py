@@ -13,9 +13,9 @@ from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Protocol
 
-import httpx
+import aiohttp
 
-from hpcserve.benchmark.loadgen import (LoadShape, RequestInput, RequestOutput, auth_headers, make_client,
+from hpcserve.benchmark.loadgen import (LoadShape, RequestInput, RequestOutput, auth_headers, make_session,
                                         run_load, send_request)
 from hpcserve.benchmark.summary import BenchResult, BenchRun, RequestRecord, summarize
 from hpcserve.benchmark.workload import (DEFAULT_VOCAB_SIZE, LengthRange, arrival_offsets, load_dataset,
@@ -137,11 +137,11 @@ async def _with_model(endpoint: Endpoint, options: BenchOptions) -> Endpoint:
 async def discover_model(endpoint: Endpoint, timeout_s: float = 30.0) -> str:
     url = f"{endpoint.base_url}/v1/models"
     try:
-        async with httpx.AsyncClient(timeout=timeout_s, trust_env=False) as client:
-            response = await client.get(url, headers=auth_headers(endpoint.api_key))
-            response.raise_for_status()
-            return response.json()["data"][0]["id"]
-    except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        async with (aiohttp.ClientSession(timeout=timeout, trust_env=False) as session,
+                    session.get(url, headers=auth_headers(endpoint.api_key), raise_for_status=True) as response):
+            return (await response.json(content_type=None))["data"][0]["id"]
+    except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, IndexError, TypeError) as exc:
         raise BenchmarkError(f"could not learn the model name from {url} ({type(exc).__name__}: {exc}); "
                              f"pass --model NAME") from None
 
@@ -153,17 +153,17 @@ async def warm_up(endpoints: list[Endpoint], request: RequestInput, options: Ben
     otherwise show up as hundreds of identical failed requests.
     """
     try:
-        async with asyncio.timeout(options.timeout_s), make_client(LoadShape(1), options.timeout_s) as client:
+        async with asyncio.timeout(options.timeout_s), make_session(LoadShape(1), options.timeout_s) as session:
             for endpoint in endpoints:
                 for _ in range(options.warmup_requests):
-                    await _warm_up_once(client, endpoint, request, options.ignore_eos)
+                    await _warm_up_once(session, endpoint, request, options.ignore_eos)
     except TimeoutError:
         raise BenchmarkError(f"the warm-up requests took longer than --timeout {options.timeout_s:g} s") from None
 
 
-async def _warm_up_once(client: httpx.AsyncClient, endpoint: Endpoint, request: RequestInput,
+async def _warm_up_once(session: aiohttp.ClientSession, endpoint: Endpoint, request: RequestInput,
                         ignore_eos: bool) -> None:
-    output = await send_request(client, endpoint, request, ignore_eos, run_start=0.0)
+    output = await send_request(session, endpoint, request, ignore_eos, run_start=0.0)
     if not output.ok:
         raise BenchmarkError(f"warm-up request to {endpoint.base_url} (model '{endpoint.model}') failed: "
                              f"{output.error}")

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
+NODE_GPUS_ENV = "HPCSERVE_NODE_CUDA_VISIBLE_DEVICES"  # set by raycluster/node.py from the allocation
 
 
 def _die_with_parent() -> None:
@@ -36,9 +37,14 @@ class EngineHost:
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
                 "node_id": ray.get_runtime_context().get_node_id()}
 
-    def start(self, argv: list[str], env: dict[str, str], log_path: str) -> int:
+    def start(self, argv: list[str], env: dict[str, str], log_path: str, node_gpus: bool = False) -> int:
+        """node_gpus: show the process the GPUs of the node's allocation, not the (none) Ray gave this actor."""
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         full_env = {**os.environ, **env}
+        if node_gpus:
+            full_env.pop("CUDA_VISIBLE_DEVICES", None)
+            if os.environ.get(NODE_GPUS_ENV):
+                full_env["CUDA_VISIBLE_DEVICES"] = os.environ[NODE_GPUS_ENV]
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=full_env, start_new_session=True, preexec_fn=_die_with_parent)

@@ -62,10 +62,12 @@ class RayCluster:
         self.ports = free_block(self.plan.run_id)
         head = self.plan.nodes[0]
         self.head_address = "127.0.0.1" if self.plan.local else _address_of(head)
+        # Workers are launched with the head, not after it: each waits on its own node until the head
+        # listens, so srun and Python start-up overlap the head's start instead of adding to it.
         self._launch(head, "head")
-        self._wait_for_head()
         for node in self.plan.nodes[1:]:
             self._launch(node, "worker")
+        self._wait_for_head()
         self.wait_ready()
 
     def _node_argv(self, role: str) -> list[str]:

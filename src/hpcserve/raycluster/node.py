@@ -115,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     temp_dir.mkdir(parents=True, exist_ok=True)
     # vLLM and NCCL pick the node's address the same flawed way Ray does: tell them.
     os.environ["VLLM_HOST_IP"] = address
+    # Ray rewrites CUDA_VISIBLE_DEVICES per worker; keep the allocation's value for processes that
+    # must see the node's GPUs (vLLM's API process with the Ray executor).
+    if os.environ.get("CUDA_VISIBLE_DEVICES"):
+        os.environ["HPCSERVE_NODE_CUDA_VISIBLE_DEVICES"] = os.environ["CUDA_VISIBLE_DEVICES"]
     argv_ray = ray_start_argv(args, address, temp_dir)
     with open(node_dir / "ray-start.log", "ab") as log:
         child = subprocess.Popen(argv_ray, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)

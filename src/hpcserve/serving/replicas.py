@@ -117,8 +117,10 @@ class ReplicaSet:
                               master_port=self.master_port + shape.index)
             log = self.run_dir / "engines" / f"replica{shape.index}-rank{rank}-{info['hostname']}.log"
             proc = EngineProcess(shape.index, rank, actor, info["hostname"], info["address"], log)
+            # Ray executor: the API process must see the node's GPUs like a plain `vllm serve` (Ray gave
+            # this host none); vLLM's own Ray workers get theirs from vLLM's placement group.
             proc.pid = ray.get(actor.start.remote(engine_argv(self.cfg, self.model_path, role),
-                                                  self._engine_env(shape), str(log)))
+                                                  self._engine_env(shape), str(log), executor == "ray"))
             replica.processes.append(proc)
         return replica
 

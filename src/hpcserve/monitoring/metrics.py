@@ -1,0 +1,410 @@
+"""A deployment's metrics, gathered now: every replica's vLLM /metrics plus every node's latest sample.
+
+    Gatherer(name).snapshot()   one Snapshot: deployment status, replicas (up, queue, tokens/s, KV cache),
+                                nodes (latest sample, short history); cached ~1 s so that the dashboard,
+                                Prometheus and `status --watch` polling together scrape vLLM once
+    DeploymentCollector         a prometheus_client collector over a Gatherer (hpcserve_* metrics, and
+                                vLLM's own gauges and counters with `deployment` and `replica` labels added)
+
+A replica that does not answer /metrics is recorded as down (`up=False`, `error=...`), never raised.
+Parsing and aggregation are pure functions over text and dicts (tests run them on saved vLLM output).
+Tokens/s come from the change of vLLM's token counters between two scrapes of the same replica.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+import httpx
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+VLLM_PREFIX = "vllm:"
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+GENERATION_TOKENS = "vllm:generation_tokens"  # counter family names are given without "_total"
+PROMPT_TOKENS = "vllm:prompt_tokens"
+KV_CACHE_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # new name, old name
+STALE_AFTER_S = 10.0  # the sampler writes every second: a node silent this long has lost its sampler
+HISTORY_SAMPLES = 120
+MIB = 2**20
+
+
+# ------------------------------------------------------------------ parsing (pure)
+
+@dataclass(frozen=True)
+class EngineMetric:
+    """One vLLM gauge or counter family: its samples as (labels, value)."""
+
+    name: str  # family name; a counter's samples are named name + "_total"
+    kind: str  # "gauge" or "counter"
+    doc: str
+    samples: tuple[tuple[tuple[tuple[str, str], ...], float], ...]
+
+
+def parse_engine_metrics(text: str) -> list[EngineMetric]:
+    """vLLM's gauges and counters from Prometheus text. Left out: histograms (read vLLM's own /metrics for
+    latency distributions) and the `*_created` timestamps of counters. Raises ValueError on text that is not
+    the Prometheus format."""
+    out = []
+    for family in text_string_to_metric_families(text):
+        if (not family.name.startswith(VLLM_PREFIX) or family.type not in ("gauge", "counter")
+                or family.name.endswith("_created")):
+            continue
+        sample_name = family.name + ("_total" if family.type == "counter" else "")
+        samples = tuple((tuple(sorted(s.labels.items())), s.value) for s in family.samples if s.name == sample_name)
+        out.append(EngineMetric(family.name, family.type, family.documentation, samples))
+    return out
+
+
+def total(metrics: Iterable[EngineMetric], *names: str) -> float | None:
+    """The sum over label sets of the first family present among names; None when none is."""
+    by_name = {m.name: m for m in metrics}
+    for name in names:
+        if name in by_name:
+            return sum(value for _, value in by_name[name].samples)
+    return None
+
+
+def peak(metrics: Iterable[EngineMetric], *names: str) -> float | None:
+    """The largest value of the first family present (KV-cache usage of several engines: the fullest)."""
+    by_name = {m.name: m for m in metrics}
+    for name in names:
+        if name in by_name and by_name[name].samples:
+            return max(value for _, value in by_name[name].samples)
+    return None
+
+
+def counter_rate(before: float | None, before_t: float | None, after: float | None, after_t: float) -> float | None:
+    """Per-second increase of a counter between two readings; None without two readings or after a reset."""
+    if before is None or after is None or before_t is None or after_t <= before_t or after < before:
+        return None
+    return (after - before) / (after_t - before_t)
+
+
+# ------------------------------------------------------------------ replicas
+
+@dataclass
+class ReplicaMetrics:
+    index: int
+    url: str
+    model: str | None = None
+    nodes: list[str] = field(default_factory=list)
+    healthy: bool | None = None  # /health, as `hpcserve status` checks it
+    up: bool = False  # /metrics answered and parsed
+    error: str | None = None
+    scraped_at: float = 0.0  # wall clock
+    running: float | None = None
+    waiting: float | None = None
+    kv_cache_usage: float | None = None  # 0..1
+    generation_tokens_total: float | None = None
+    prompt_tokens_total: float | None = None
+    generation_tokens_per_s: float | None = None
+    prompt_tokens_per_s: float | None = None
+    engine: list[EngineMetric] = field(default_factory=list, repr=False)
+    monotonic: float = field(default=0.0, repr=False)  # when scraped, for rates
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        del data["engine"], data["monotonic"]
+        return data
+
+
+def replica_from_text(replica: dict, text: str, scraped_at: float, monotonic: float) -> ReplicaMetrics:
+    """A replica's metrics from its /metrics text (replica: an entry of state.json's `replicas`). Pure."""
+    base = _replica_base(replica, scraped_at, monotonic)
+    try:
+        engine = parse_engine_metrics(text)
+    except ValueError as exc:
+        base.error = f"/metrics is not Prometheus text: {exc}"
+        return base
+    base.up, base.engine = True, engine
+    base.running, base.waiting = total(engine, RUNNING), total(engine, WAITING)
+    base.kv_cache_usage = peak(engine, *KV_CACHE_USAGE)
+    base.generation_tokens_total = total(engine, GENERATION_TOKENS)
+    base.prompt_tokens_total = total(engine, PROMPT_TOKENS)
+    return base
+
+
+def replica_down(replica: dict, error: str, scraped_at: float, monotonic: float) -> ReplicaMetrics:
+    base = _replica_base(replica, scraped_at, monotonic)
+    base.error = error
+    return base
+
+
+def _replica_base(replica: dict, scraped_at: float, monotonic: float) -> ReplicaMetrics:
+    return ReplicaMetrics(index=int(replica.get("index", 0)), url=replica["url"], model=replica.get("model"),
+                          nodes=list(replica.get("nodes") or []), healthy=replica.get("healthy"),
+                          scraped_at=scraped_at, monotonic=monotonic)
+
+
+def with_rates(current: ReplicaMetrics, previous: ReplicaMetrics | None) -> ReplicaMetrics:
+    """Set tokens/s from the previous scrape of the same replica. Pure (changes and returns current)."""
+    if previous is None or not previous.up or not current.up:
+        return current
+    current.generation_tokens_per_s = counter_rate(previous.generation_tokens_total, previous.monotonic,
+                                                   current.generation_tokens_total, current.monotonic)
+    current.prompt_tokens_per_s = counter_rate(previous.prompt_tokens_total, previous.monotonic,
+                                               current.prompt_tokens_total, current.monotonic)
+    return current
+
+
+def scrape(client: httpx.Client, replica: dict, api_key: str | None) -> ReplicaMetrics:
+    """GET {url}/metrics; any failure gives a replica marked down with the reason."""
+    now, mono = time.time(), time.monotonic()
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        response = client.get(f"{replica['url']}/metrics", headers=headers)
+    except httpx.HTTPError as exc:
+        return replica_down(replica, f"{type(exc).__name__}: {exc}"[:300], now, mono)
+    if response.status_code != 200:
+        return replica_down(replica, f"/metrics answered HTTP {response.status_code}", now, mono)
+    return replica_from_text(replica, response.text, now, mono)
+
+
+# ------------------------------------------------------------------ nodes
+
+@dataclass
+class NodeMetrics:
+    host: str
+    latest: dict | None  # the newest sample, as the sampler wrote it
+    age_s: float | None  # seconds since that sample
+    stale: bool  # no sample for STALE_AFTER_S: the sampler (or the node) is gone
+    history: list[dict] = field(default_factory=list)  # time, cpu_pct, ram_used_mb, engine_rss_mb, gpu_util_pct
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def last_lines(text: str, count: int) -> list[dict]:
+    """The last `count` JSON lines of a sampler file's tail; a cut first line or a half-written last one
+    is skipped. Pure."""
+    out = []
+    for line in reversed(text.splitlines()):
+        if len(out) == count:
+            break
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out[::-1]
+
+
+def tail_samples(path: Path, count: int = HISTORY_SAMPLES, max_bytes: int = 256 * 1024) -> list[dict]:
+    """The newest samples of one node file, reading only its end (files grow by one line a second)."""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(0, 2)
+            size = handle.tell()
+            handle.seek(max(0, size - max_bytes))
+            return last_lines(handle.read().decode("utf-8", "replace"), count)
+    except OSError:
+        return []
+
+
+def history_point(sample: dict) -> dict:
+    gpus = sample.get("gpus") or []
+    util = sum(g.get("util_pct", 0) for g in gpus) / len(gpus) if gpus else None
+    return {"time": sample.get("time"), "cpu_pct": sample.get("cpu_pct"), "ram_used_mb": sample.get("ram_used_mb"),
+            "engine_rss_mb": sample.get("engine_rss_mb"), "gpu_util_pct": util}
+
+
+def node_metrics(host: str, samples: list[dict], now: float, stale_after_s: float = STALE_AFTER_S) -> NodeMetrics:
+    """A node's state from its newest samples (oldest first). Pure."""
+    if not samples:
+        return NodeMetrics(host, None, None, True)
+    latest = samples[-1]
+    age = max(0.0, now - float(latest.get("time", 0)))
+    return NodeMetrics(host, latest, round(age, 1), age > stale_after_s, [history_point(s) for s in samples])
+
+
+def read_nodes(run_dir: Path, now: float, count: int = HISTORY_SAMPLES) -> list[NodeMetrics]:
+    return [node_metrics(path.stem, tail_samples(path, count), now)
+            for path in sorted((Path(run_dir) / "monitor").glob("*.jsonl"))]
+
+
+# ------------------------------------------------------------------ one deployment, now
+
+@dataclass
+class Snapshot:
+    deployment: dict  # name, status, stage, runner, scheduler, run_dir, error, job_id
+    replicas: list[ReplicaMetrics]
+    nodes: list[NodeMetrics]
+    time: float
+
+    def to_json(self) -> dict:
+        return {"deployment": self.deployment, "time": self.time,
+                "replicas": [r.to_json() for r in self.replicas], "nodes": [n.to_json() for n in self.nodes]}
+
+
+def _default_status(name: str):
+    from hpcserve import api
+
+    return api.status(name)[0]
+
+
+def _default_key(name: str) -> str | None:
+    from hpcserve import api
+    from hpcserve.errors import HpcserveError
+
+    try:
+        return api.api_key_for(name)
+    except (HpcserveError, OSError):
+        return None
+
+
+class Gatherer:
+    """Snapshots of one deployment. Thread-safe; a snapshot younger than max_age_s is reused.
+
+    status_fn, key_fn and client are the real api.status, api.api_key_for and an httpx.Client by default;
+    tests pass stand-ins (an httpx.MockTransport in the client).
+    """
+
+    def __init__(self, name: str, client: httpx.Client | None = None, status_fn: Callable | None = None,
+                 key_fn: Callable[[str], str | None] | None = None, max_age_s: float = 1.0, timeout_s: float = 2.0):
+        self.name = name
+        # trust_env=False: engines are reached directly, never through the user's http_proxy
+        self.client = client or httpx.Client(timeout=httpx.Timeout(timeout_s, connect=1.0), trust_env=False)
+        self.status_fn = status_fn or _default_status
+        self.key_fn = key_fn or _default_key
+        self.max_age_s = max_age_s
+        self.lock = threading.Lock()
+        self.last: Snapshot | None = None
+        self.last_mono = 0.0
+        self.previous: dict[str, ReplicaMetrics] = {}  # url -> last scrape, for rates
+
+    def snapshot(self) -> Snapshot:
+        with self.lock:
+            if self.last is None or time.monotonic() - self.last_mono >= self.max_age_s:
+                self.last, self.last_mono = self._gather(), time.monotonic()
+            return self.last
+
+    def _gather(self) -> Snapshot:
+        from hpcserve.errors import HpcserveError
+
+        try:
+            status = self.status_fn(self.name)
+        except HpcserveError as exc:  # `down` removed it, or it never existed: say so, keep serving
+            return Snapshot({"name": self.name, "status": "unknown", "stage": None, "runner": str(exc),
+                             "scheduler": None, "run_dir": None, "error": None, "job_id": None}, [], [], time.time())
+        key = self.key_fn(self.name)
+        with ThreadPoolExecutor(max_workers=max(1, min(8, len(status.replicas)))) as pool:
+            scraped = list(pool.map(lambda rep: scrape(self.client, rep, key), status.replicas))
+        replicas = [with_rates(r, self.previous.get(r.url)) for r in scraped]
+        for r in replicas:  # a replica that was down starts its rates afresh
+            if r.up:
+                self.previous[r.url] = r
+            else:
+                self.previous.pop(r.url, None)
+        deployment = {k: v for k, v in vars(status).items() if k != "replicas"}
+        return Snapshot(deployment, replicas, read_nodes(Path(status.run_dir), time.time()), time.time())
+
+    def close(self) -> None:
+        self.client.close()
+
+
+# ------------------------------------------------------------------ Prometheus
+
+def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, labels=labels)
+
+
+def node_families(deployment: str, nodes: list[NodeMetrics]) -> list[Metric]:
+    """Node and GPU gauges; a stale node only reports its sample age (its last values would lie)."""
+    node = ["deployment", "node"]
+    gpu = ["deployment", "node", "gpu"]
+    fams = {
+        "age": _gauge("hpcserve_node_sample_age_seconds", "Seconds since the node's sampler last wrote", node),
+        "cpu": _gauge("hpcserve_node_cpu_percent", "CPU use of the whole node (100 = all cores)", node),
+        "ram": _gauge("hpcserve_node_ram_used_bytes", "RAM in use on the node", node),
+        "rss": _gauge("hpcserve_engine_rss_bytes", "Resident memory of the engine processes on the node", node),
+        "ecpu": _gauge("hpcserve_engine_cpu_percent", "CPU of the engine processes on the node (100 = one core)", node),
+        "sent": CounterMetricFamily("hpcserve_node_network_sent_bytes", "Bytes sent by the node (since boot)",
+                                    labels=node),
+        "recv": CounterMetricFamily("hpcserve_node_network_received_bytes", "Bytes received by the node (since boot)",
+                                    labels=node),
+        "gutil": _gauge("hpcserve_gpu_utilization_percent", "GPU utilisation (NVML)", gpu),
+        "gused": _gauge("hpcserve_gpu_memory_used_bytes", "GPU memory in use (NVML)", gpu),
+        "gtotal": _gauge("hpcserve_gpu_memory_total_bytes", "GPU memory in all (NVML)", gpu),
+    }
+    for n in nodes:
+        labels = [deployment, n.host]
+        if n.age_s is not None:
+            fams["age"].add_metric(labels, n.age_s)
+        if n.stale or n.latest is None:
+            continue
+        s = n.latest
+        for key, field_name, scale in (("cpu", "cpu_pct", 1), ("ram", "ram_used_mb", MIB),
+                                       ("rss", "engine_rss_mb", MIB), ("ecpu", "engine_cpu_pct", 1),
+                                       ("sent", "net_sent_mb", MIB), ("recv", "net_recv_mb", MIB)):
+            if s.get(field_name) is not None:
+                fams[key].add_metric(labels, float(s[field_name]) * scale)
+        for g in s.get("gpus") or []:
+            glabels = labels + [str(g.get("index", 0))]
+            fams["gutil"].add_metric(glabels, float(g.get("util_pct", 0)))
+            fams["gused"].add_metric(glabels, float(g.get("mem_used_mb", 0)) * MIB)
+            fams["gtotal"].add_metric(glabels, float(g.get("mem_total_mb", 0)) * MIB)
+    return list(fams.values())
+
+
+def replica_families(deployment: str, replicas: list[ReplicaMetrics]) -> list[Metric]:
+    rep = ["deployment", "replica", "url"]
+    up = _gauge("hpcserve_replica_up", "1 when the replica's /metrics answered, else 0", rep)
+    healthy = _gauge("hpcserve_replica_healthy", "1 when the replica's /health answered 200, else 0", rep)
+    gen = _gauge("hpcserve_replica_generation_tokens_per_second",
+                 "Generated tokens per second, from vLLM's counter between the last two scrapes", rep)
+    prompt = _gauge("hpcserve_replica_prompt_tokens_per_second",
+                    "Prompt tokens per second, from vLLM's counter between the last two scrapes", rep)
+    for r in replicas:
+        labels = [deployment, str(r.index), r.url]
+        up.add_metric(labels, 1.0 if r.up else 0.0)
+        if r.healthy is not None:
+            healthy.add_metric(labels, 1.0 if r.healthy else 0.0)
+        if r.generation_tokens_per_s is not None:
+            gen.add_metric(labels, r.generation_tokens_per_s)
+        if r.prompt_tokens_per_s is not None:
+            prompt.add_metric(labels, r.prompt_tokens_per_s)
+    return [up, healthy, gen, prompt]
+
+
+def engine_families(deployment: str, replicas: list[ReplicaMetrics]) -> list[Metric]:
+    """vLLM's gauges and counters under their own names, one family across replicas, each sample with
+    `deployment` and `replica` labels added in front of vLLM's own."""
+    merged: dict[str, Metric] = {}
+    for r in replicas:
+        for m in r.engine:
+            for labels, value in m.samples:
+                names = ["deployment", "replica"] + [k for k, _ in labels if k not in ("deployment", "replica")]
+                values = [deployment, str(r.index)] + [v for k, v in labels if k not in ("deployment", "replica")]
+                family = merged.get(m.name)
+                if family is None:
+                    family = merged[m.name] = Metric(m.name, m.doc, m.kind)
+                family.add_sample(m.name + ("_total" if m.kind == "counter" else ""), dict(zip(names, values)), value)
+    return list(merged.values())
+
+
+def families(snapshot: Snapshot) -> list[Metric]:
+    """Every metric of a snapshot. Pure."""
+    name = snapshot.deployment["name"]
+    status = str(snapshot.deployment.get("status"))
+    ready = _gauge("hpcserve_deployment_ready", "1 when the deployment's status is ready, else 0",
+                   ["deployment", "status"])
+    ready.add_metric([name, status], 1.0 if status == "ready" else 0.0)
+    return [ready, *replica_families(name, snapshot.replicas), *node_families(name, snapshot.nodes),
+            *engine_families(name, snapshot.replicas)]
+
+
+class DeploymentCollector:
+    """Register in a CollectorRegistry; each collection takes a (possibly cached) snapshot."""
+
+    def __init__(self, gatherer: Gatherer):
+        self.gatherer = gatherer
+
+    def collect(self) -> Iterable[Metric]:
+        return families(self.gatherer.snapshot())

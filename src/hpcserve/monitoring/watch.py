@@ -1,0 +1,113 @@
+"""`hpcserve status --watch`: a live terminal view of one deployment (or all), refreshed every interval,
+from the same Gatherer as the monitor server. Ctrl-C ends it."""
+
+from __future__ import annotations
+
+import time
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from hpcserve.monitoring.metrics import Gatherer, NodeMetrics, ReplicaMetrics, Snapshot
+
+STATUS_STYLE = {"ready": "green", "failed": "red", "dead": "red", "unknown": "red", "degraded": "yellow"}
+
+
+def _num(value: float | None, digits: int = 1, unit: str = "") -> str:
+    return "-" if value is None else f"{value:.{digits}f}{unit}"
+
+
+def _mib(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value / 1024:.1f} GiB" if value >= 1024 else f"{value:.0f} MiB"
+
+
+def replica_state(r: ReplicaMetrics) -> Text:
+    if r.up and r.healthy is not False:
+        return Text("healthy", style="green")
+    return Text("unhealthy" if r.up else "DOWN", style="red")
+
+
+def gpus_cell(sample: dict) -> str:
+    gpus = sample.get("gpus")
+    if not gpus:
+        return "none"
+    return "\n".join(f"{g['index']}: {g['util_pct']}% {_mib(g['mem_used_mb'])}/{_mib(g['mem_total_mb'])}" for g in gpus)
+
+
+def node_table(nodes: list[NodeMetrics]) -> Table:
+    table = Table(title="nodes", title_justify="left", expand=False)
+    for col in ("node", "CPU", "RAM used", "engine RSS", "engine CPU", "GPUs (util mem)", "last sample"):
+        table.add_column(col)
+    for n in nodes:
+        s = n.latest or {}
+        age = "no samples" if n.age_s is None else f"{n.age_s:.0f} s ago"
+        table.add_row(n.host, _num(s.get("cpu_pct"), unit=" %"), _mib(s.get("ram_used_mb")),
+                      _mib(s.get("engine_rss_mb")),
+                      _num(s.get("engine_cpu_pct"), unit=" %"), gpus_cell(s),
+                      Text(f"stale: {age}", style="red") if n.stale else age)
+    return table
+
+
+def replica_table(replicas: list[ReplicaMetrics]) -> Table:
+    table = Table(title="replicas", title_justify="left", expand=False)
+    for col in ("replica", "state", "url", "running", "waiting", "KV cache", "gen tok/s", "prompt tok/s"):
+        table.add_column(col)
+    for r in replicas:
+        kv = "-" if r.kv_cache_usage is None else f"{100 * r.kv_cache_usage:.1f} %"
+        table.add_row(str(r.index), replica_state(r), r.url, _num(r.running, 0), _num(r.waiting, 0), kv,
+                      _num(r.generation_tokens_per_s), _num(r.prompt_tokens_per_s))
+    return table
+
+
+def render(snapshot: Snapshot) -> Group:
+    """One deployment's view. Pure."""
+    d = snapshot.deployment
+    style = STATUS_STYLE.get(str(d.get("status")), "cyan")
+    head = Text.assemble((f"{d['name']} ", "bold"), (str(d.get("status")), style),
+                         f"  stage {d.get('stage') or '-'}  {d.get('runner') or ''}")
+    parts = [head]
+    if d.get("error"):
+        parts.append(Text(f"stage '{d['error'].get('stage')}' failed: {d['error'].get('diagnosis')}", style="red"))
+    parts += [replica_table(snapshot.replicas), node_table(snapshot.nodes)]
+    errors = [f"replica {r.index}: {r.error}" for r in snapshot.replicas if r.error]
+    parts += [Text(line, style="dim") for line in errors]
+    return Group(*parts)
+
+
+def render_all(snapshots: list[Snapshot], interval: float) -> Group:
+    if not snapshots:
+        return Group(Text("no deployments. Start one with `hpcserve up CONFIG`."))
+    footer = Text(f"{time.strftime('%H:%M:%S')}  refreshed every {interval:g} s; Ctrl-C to stop", style="dim")
+    return Group(*[render(s) for s in snapshots], footer)
+
+
+def watch(name: str | None, interval: float = 2.0, console: Console | None = None,
+          iterations: int | None = None) -> None:
+    """Show one deployment (or every registered one) until Ctrl-C (or `iterations` refreshes, for tests)."""
+    from hpcserve.state import list_names
+
+    gatherers: dict[str, Gatherer] = {}
+
+    def frame() -> Group:
+        names = [name] if name else list_names()
+        for n in names:
+            gatherers.setdefault(n, Gatherer(n, max_age_s=0.0))
+        return render_all([gatherers[n].snapshot() for n in names], interval)
+
+    count = 0
+    try:
+        with Live(frame(), console=console, auto_refresh=False) as live:
+            while iterations is None or count < iterations:
+                deadline = time.monotonic() + interval
+                time.sleep(max(0.0, deadline - time.monotonic()))
+                live.update(frame(), refresh=True)
+                count += 1
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for gatherer in gatherers.values():
+            gatherer.close()
