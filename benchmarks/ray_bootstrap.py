@@ -67,6 +67,9 @@ def hpcserve_check(nodes: int, work: Path) -> dict:
 
 def main() -> None:
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 3
+    from hpcserve.sandbox.cluster import ensure_sandbox
+
+    os.environ.update(ensure_sandbox(nodes=3).env())
     work = Path(tempfile.mkdtemp(prefix="rb-work-"))
     bare, runs = [], {1: [], 2: [], 3: []}
     for _ in range(rounds):

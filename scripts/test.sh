@@ -5,4 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
+# The dashboard test drives Debian's Chromium (never a browser download).
+if [ "$(id -u)" = 0 ] && [ ! -x /usr/bin/chromium ]; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null
+fi
 exec .venv/bin/python -m pytest -p no:cacheprovider -rs "$@"

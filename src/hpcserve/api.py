@@ -433,4 +433,4 @@ def api_key_for(name: str) -> str | None:
     return path.read_text().strip() if path.is_file() else None
 
 
-__all__ = ["up", "down", "status", "log_files", "prepare", "api_key_for", "HpcserveError"]
+__all__ = ["up", "down", "status", "log_files", "prepare", "api_key_for", "load_record", "HpcserveError"]

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hpcserve import api
-from hpcserve.errors import HpcserveError
+from hpcserve.errors import HpcserveError, UsageError
 
 app = typer.Typer(
     help="Serve LLMs on HPC clusters: Slurm allocates, Ray connects the nodes, vLLM serves; each layer is "
@@ -51,6 +51,10 @@ def guarded(func):
 
 # ------------------------------------------------------------------ up / down
 
+STAGE_WAIT = {"ray": "starting Ray on every node", "health": "running the health check",
+              "engine": "loading the model and waiting for a real completion", "ready": "serving"}
+
+
 @app.command()
 @guarded
 def up(config: Path = ConfigArg,
@@ -60,13 +64,17 @@ def up(config: Path = ConfigArg,
     Returns while the deployment keeps running; stop it with `hpcserve down NAME`.
     """
     t0 = time.monotonic()
+    spinner = console.status("submitting", spinner="dots")
 
     def show(event: api.Event) -> None:
         mark = {"started": "[cyan]…[/]", "done": "[green]✓[/]", "failed": "[red]✗[/]"}.get(event.event, "·")
         detail = f" [dim]{event.detail}[/]" if event.detail else ""
         console.print(f"{mark} {event.stage:<8} {event.event:<8} +{time.monotonic() - t0:5.1f}s{detail}", highlight=False)
+        if event.event == "started":
+            spinner.update(STAGE_WAIT.get(event.stage, event.stage))
 
-    result = api.up(config, on_event=show, timeout_s=timeout)
+    with spinner:
+        result = api.up(config, on_event=show, timeout_s=timeout)
     if result.status != "ready":
         state = api.read_json(result.run_dir / api.STATE_FILE, {}) or {}
         error = state.get("error") or {}
@@ -106,8 +114,19 @@ def down(name: str = NameArg):
 @app.command()
 @guarded
 def status(name: Optional[str] = typer.Argument(None, help="one deployment; default: all"),
-           as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
+           as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
+           watch: bool = typer.Option(False, "--watch", "-w", help="live view of nodes and replicas; Ctrl-C to stop"),
+           interval: float = typer.Option(2.0, min=0.5, help="seconds between refreshes with --watch")):
     """What is really running: checked now (driver process or Slurm job, each replica's /health)."""
+    if watch:
+        if as_json:
+            raise UsageError("--watch and --json do not go together")
+        if name:
+            api.load_record(name)  # an unknown name fails now, listing the known ones
+        from hpcserve.monitoring.watch import watch as live
+
+        live(name, interval)
+        return
     rows = api.status(name)
     if as_json:
         print(json.dumps([r.__dict__ for r in rows], indent=2, default=str))
@@ -265,10 +284,12 @@ def validate(config: Path = ConfigArg,
 
 def _mount_subcommands() -> None:
     from hpcserve.benchmark.cli import bench
+    from hpcserve.monitoring.cli import monitor
     from hpcserve.sandbox.cli import app as sandbox_app
 
     app.add_typer(sandbox_app, name="sandbox", help="A real multi-node Slurm cluster on this machine, for trying and testing.")
     app.command(help=bench.__doc__)(bench)
+    app.command(help=monitor.__doc__)(monitor)
 
 
 _mount_subcommands()

@@ -49,7 +49,7 @@ def read_model_config(model_path: str) -> dict | None:
 
 
 def check_api_key(cfg: DeploymentConfig) -> None:
-    if cfg.serve.api_key_env is None and not _is_loopback(cfg.serve.host):
+    if cfg.serve.api_key_env is None and not is_loopback(cfg.serve.host):
         raise ConfigError(f"'serve.host' = {cfg.serve.host!r} lets other users reach the endpoint, but "
                           "'serve.api_key_env' is not set: name an environment variable holding the key "
                           "(hpcserve generates one if the variable is empty)")
@@ -58,7 +58,7 @@ def check_api_key(cfg: DeploymentConfig) -> None:
 def check_port(cfg: DeploymentConfig, replicas: int) -> None:
     if cfg.cluster.scheduler != "local":
         return  # ports on compute nodes are checked there
-    host = "127.0.0.1" if _is_loopback(cfg.serve.host) else cfg.serve.host
+    host = "127.0.0.1" if is_loopback(cfg.serve.host) else cfg.serve.host
     for port in range(cfg.serve.port, cfg.serve.port + replicas):
         if not port_free(port, host):
             raise ConfigError(f"'serve.port' = {cfg.serve.port}: port {port} is already in use on this machine. "
@@ -71,7 +71,7 @@ def check_scheduler(cfg: DeploymentConfig) -> None:
                           "load the Slurm module, or use `hpcserve sandbox up` to try a local Slurm cluster")
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
     try:

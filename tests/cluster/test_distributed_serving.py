@@ -110,6 +110,11 @@ def test_two_replicas_on_two_nodes_both_answer(slurm_env, tmp_path):
             assert answers[0] == GREEDY["tp2"]  # single-node TP=1 == two-node TP=2
         table = run_cli("status", "sb-reps").stdout
         assert table.count("healthy") == 2
+        monitor = Path(status["run_dir"]) / "monitor"  # a sampler on every node, one line a second
+        for node in ("hsn1", "hsn2"):
+            samples = [json.loads(line) for line in (monitor / f"{node}.jsonl").read_text().splitlines()]
+            assert len(samples) >= 3 and samples[-1]["host"] == node
+            assert max(s["engine_rss_mb"] for s in samples) > 100  # the vLLM process on that node
     finally:
         assert run_cli("down", "sb-reps").returncode == 0
     assert squeue_empty(os.environ)

@@ -14,7 +14,6 @@ counts, token rates, node load; never prompts, answers or the key) but not reach
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import json
 import socket
 import threading
@@ -25,15 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from hpcserve.errors import UsageError
 from hpcserve.monitoring.metrics import DeploymentCollector, Gatherer
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+from hpcserve.preflight import is_loopback
 
 
 def dashboard_html() -> bytes:
