@@ -282,6 +282,32 @@ def validate(config: Path = ConfigArg,
         raise typer.Exit(1)
 
 
+@app.command()
+@guarded
+def baseline(config: Path = ConfigArg,
+             concurrency: str = typer.Option("1,8", help="load points, e.g. 1,8,32"),
+             num_prompts: int = typer.Option(64, min=1, help="requests per load point"),
+             input_len: int = typer.Option(128, min=1, help="prompt tokens per request"),
+             output_len: int = typer.Option(64, min=1, help="generated tokens per request")):
+    """Benchmark a single-node layout and the configured multi-node layout with the same load, one after
+    the other, and report the scaling efficiency (markdown + plots in RESULTS/logs/NAME/baseline/)."""
+    from hpcserve.benchmark.baseline import baseline as run_baseline
+    from hpcserve.benchmark.loadgen import LoadShape
+    from hpcserve.benchmark.runner import BenchOptions
+    from hpcserve.benchmark.workload import LengthRange
+
+    try:
+        loads = tuple(LoadShape(concurrency=int(c)) for c in concurrency.split(","))
+    except ValueError:
+        raise UsageError(f"--concurrency {concurrency!r}: give whole numbers separated by commas, e.g. 1,8") from None
+    options = BenchOptions(loads=loads, num_prompts=num_prompts, input_len=LengthRange(input_len, input_len),
+                           output_len=output_len)
+    folder = run_baseline(config, options,
+                          on_event=lambda e: console.print(f"· {e.stage} {e.event} {e.detail}", highlight=False))
+    console.print((folder / "baseline.md").read_text(), highlight=False)
+    console.print(f"written: {folder}")
+
+
 def _mount_subcommands() -> None:
     from hpcserve.benchmark.cli import bench
     from hpcserve.monitoring.cli import monitor

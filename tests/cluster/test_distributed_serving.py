@@ -1,6 +1,7 @@
 """Layers 3-4 on the sandbox: vLLM (CPU) across nodes through hpcserve's Ray layer.
 
-- tensor parallel 2 across two nodes (vLLM's multi-node mp mode) answers token-identically to TP=1;
+- tensor parallel 2 and pipeline parallel 2 across two nodes (vLLM's multi-node mp mode) answer
+  token-identically to TP=1;
 - two replicas on two nodes both answer, status lists both, down leaves nothing on any node;
 - Ray refuses clients without the deployment's token;
 - an engine that fails to start makes `up` fail with the engine's own error, nothing left running.
@@ -74,6 +75,19 @@ def test_tensor_parallel_across_two_nodes_matches_tp1(slurm_env, tmp_path):
         check_ray_refuses_strangers(Path(status["run_dir"]))
     finally:
         assert run_cli("down", "sb-tp2").returncode == 0
+    assert squeue_empty(os.environ)
+
+
+def test_pipeline_parallel_across_two_nodes_matches_tp1(slurm_env, tmp_path):
+    config = write_config(tmp_path / "pp2.yaml", HERE / "sandbox-pp2.yaml", results_dir=str(tmp_path / "results"))
+    done = run_cli("up", str(config), "--timeout", "900", timeout=1000)
+    try:
+        assert done.returncode == 0, done.stdout + done.stderr
+        replica = status_of("sb-pp2")["replicas"][0]
+        assert sorted(replica["nodes"]) == ["hsn1", "hsn2"]  # one stage per node
+        assert greedy_ids(replica["url"], os.environ["HPCSERVE_API_KEY"]) == transformers_greedy()
+    finally:
+        assert run_cli("down", "sb-pp2").returncode == 0
     assert squeue_empty(os.environ)
 
 

@@ -216,11 +216,17 @@ def test_check_layout_accepts_a_good_layout():
     ("llama-3.1-70b", layout(1, 1, 8), A100_1x8, "too little memory"),
     ("llama-3.1-70b", layout(16, 1, 1), A100_2x8, "tensor 16 spans nodes"),
     ("llama-3.1-70b", layout(4, 1, 4), A100_1x8, "parallelism needs 16 workers"),
-    ("llama-3.1-8b", layout(1, 2, 1), CPU_LOCAL, "pipeline parallel fails on CPU"),
 ])
 def test_check_layout_names_the_problem(model, given, cluster, message):
     problems = check_layout(shape(model), given, cluster, max_model_len=8192)
     assert any(message in p for p in problems), problems
+
+
+def test_pipeline_on_cpu_only_without_eager_mode():
+    tiny = shape("llama-3.1-8b")
+    eager = check_layout(tiny, layout(1, 2, 1), CPU_LOCAL, max_model_len=512, enforce_eager=True)
+    assert any("pipeline parallel with --enforce-eager fails on CPU" in p for p in eager)
+    assert not any("pipeline" in p for p in check_layout(tiny, layout(1, 2, 1), CPU_LOCAL, max_model_len=512))
 
 
 def test_cross_node_tensor_only_when_asked():

