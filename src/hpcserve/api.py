@@ -122,17 +122,26 @@ def check(config_path: str | Path, on_event: Callable[[Event], None] | None = No
     return result.run_dir, read_json(result.run_dir / "health.json")
 
 
-def _api_key(cfg: DeploymentConfig, run_dir: Path) -> tuple[dict[str, str], str | None]:
-    """The key reaches the driver through its environment or a 0600 file, never its command line."""
-    if not cfg.serve.api_key_env:
+def _api_key_env(cfg: DeploymentConfig) -> tuple[dict[str, str], str | None]:
+    """The endpoint's key for the driver's environment (never a command line or a script), and, when
+    the named variable is empty, the key we generate for it (stored for clients by _store_key)."""
+    name = cfg.serve.api_key_env
+    if not name or os.environ.get(name):
         return {}, None
-    if os.environ.get(cfg.serve.api_key_env):
-        return {}, f"${cfg.serve.api_key_env}"
-    path = run_dir / API_KEY_FILE
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(secrets.token_urlsafe(32))
-    return {}, str(path)
+    key = secrets.token_urlsafe(32)
+    return {name: key}, key
+
+
+def _store_key(cfg: DeploymentConfig, run_dir: Path, generated: str | None) -> None:
+    """A generated key goes into a file only we can read; api_key_source says where clients find it."""
+    if generated:
+        fd = os.open(run_dir / API_KEY_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(generated)
+        source = str(run_dir / API_KEY_FILE)
+    else:
+        source = f"${cfg.serve.api_key_env}" if cfg.serve.api_key_env else "none"
+    (run_dir / "api_key_source").write_text(source + "\n")
 
 
 def config_yaml(cfg: DeploymentConfig) -> str:
@@ -143,13 +152,13 @@ def _start_local(cfg: DeploymentConfig, results: Path, extra_env: dict[str, str]
     run_dir = results / "logs" / f"{cfg.name}-local-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(config_yaml(cfg))
-    _, key_source = _api_key(cfg, run_dir)
+    key_env, generated = _api_key_env(cfg)
+    _store_key(cfg, run_dir, generated)
     with open(run_dir / "driver.log", "ab") as log:
         # A new session: the deployment outlives this command and the terminal it ran in.
         driver = subprocess.Popen([sys.executable, "-m", "hpcserve.driver", str(run_dir)], stdout=log,
                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                                  env={**os.environ, **extra_env})
-    _write_key_source(run_dir, key_source)
+                                  env={**os.environ, **extra_env, **key_env})
     return Record(name=cfg.name, scheduler="local", run_dir=str(run_dir), driver_pid=driver.pid,
                   driver_started=psutil.Process(driver.pid).create_time())
 
@@ -161,8 +170,10 @@ def _submit_slurm(cfg: DeploymentConfig, results: Path, extra_env: dict[str, str
     script = render_batch_script(cfg, config_yaml(cfg), sys.executable, results)
     staging = results / "logs" / f".submit-{cfg.name}-{os.getpid()}"
     staging.mkdir(parents=True, exist_ok=True)
+    key_env, generated = _api_key_env(cfg)
+    extra_env = {**extra_env, **key_env}
     saved = {k: os.environ.get(k) for k in extra_env}
-    os.environ.update(extra_env)  # sbatch exports the submitter's environment to the job
+    os.environ.update(extra_env)  # sbatch exports the submitter's environment (not the script) to the job
     try:
         job_id = SlurmClient().submit(script, staging)
     except BaseException:
@@ -178,13 +189,8 @@ def _submit_slurm(cfg: DeploymentConfig, results: Path, extra_env: dict[str, str
     run_dir.mkdir(parents=True, exist_ok=True)
     (staging / "job.sbatch").replace(run_dir / "job.sbatch")
     staging.rmdir()
-    _, key_source = _api_key(cfg, run_dir)
-    _write_key_source(run_dir, key_source)
+    _store_key(cfg, run_dir, generated)
     return Record(name=cfg.name, scheduler="slurm", run_dir=str(run_dir), job_id=job_id)
-
-
-def _write_key_source(run_dir: Path, source: str | None) -> None:
-    (run_dir / "api_key_source").write_text((source or "none") + "\n")
 
 
 def follow(record: Record, on_event: Callable[[Event], None] | None, timeout_s: float) -> UpResult:
