@@ -56,8 +56,9 @@ B)
   hpcserve_case replicas benchmarks/gpu/h200-replicas.yaml
   ray start --head --num-gpus=2 --disable-usage-stats > "$OUT/plain_ray.log" 2>&1
   t0=$(stamp)
-  $PLAIN --port 8001 --distributed-executor-backend ray > "$OUT/plain_r0.log" 2>&1 & P0=$!
-  $PLAIN --port 8002 --distributed-executor-backend ray > "$OUT/plain_r1.log" 2>&1 & P1=$!
+  # Two vLLMs with the Ray executor on one node need distinct store-port windows (see serving/replicas.py).
+  VLLM_DP_MASTER_PORT=30100 $PLAIN --port 8001 --distributed-executor-backend ray > "$OUT/plain_r0.log" 2>&1 & P0=$!
+  VLLM_DP_MASTER_PORT=30200 $PLAIN --port 8002 --distributed-executor-backend ray > "$OUT/plain_r1.log" 2>&1 & P1=$!
   wait_ready http://127.0.0.1:8001 $P0 && wait_ready http://127.0.0.1:8002 $P1
   echo "plain_replicas ready_s=$(python3 -c "print(round($(stamp)-$t0,1))")" | tee -a "$OUT/summary.txt"
   hpcserve bench http://127.0.0.1:8001 http://127.0.0.1:8002 $LOAD --out "$OUT/bench_plain_replicas.json" 2>&1 | tail -8

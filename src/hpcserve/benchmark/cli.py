@@ -143,14 +143,16 @@ def bench(
     try:
         if compare:
             return _compare(targets or [], console)
-        if not targets or len(targets) != 1:
-            raise UsageError("give exactly one TARGET (a deployment name or URL), or use --compare FILES")
+        if not targets or (len(targets) > 1 and not all(t.startswith(("http://", "https://")) for t in targets)):
+            raise UsageError("give one TARGET (a deployment name or URL), several URLs (requests go round-robin), "
+                             "or --compare FILES")
         options = _options(num_prompts, concurrency, request_rate, input_len, input_len_range, output_len, dataset,
                            model, slo, seed, timeout, gpus)
         _check_out_folder(out)
-        endpoints = resolve_endpoint(targets[0], read_api_key(api_key_env))
+        key = read_api_key(api_key_env)
+        endpoints = [endpoint for target in targets for endpoint in resolve_endpoint(target, key)]
         with _progress_bar(errors) as bar:
-            result = run_benchmark(endpoints, options, target=targets[0], command=sys.argv,
+            result = run_benchmark(endpoints, options, target=" ".join(targets), command=sys.argv,
                                    progress=RichProgress(bar))
         _show(result, console)
         _save(result, out, plots, console)

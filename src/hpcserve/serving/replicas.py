@@ -126,6 +126,9 @@ class ReplicaSet:
 
     def _engine_env(self, shape: ReplicaShape) -> dict[str, str]:
         env = dict(self.cfg.engine.env)
+        # vLLM 0.26's Ray executor picks its torch.distributed store port from a window above this one
+        # (starting at port 100 when unset): replicas on one node must not share the window.
+        env.setdefault("VLLM_DP_MASTER_PORT", str(self.master_port + 100 + 40 * shape.index))
         if self.api_key:
             env["VLLM_API_KEY"] = self.api_key
         if self.cfg.executor == "ray":
