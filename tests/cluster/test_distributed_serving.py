@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 import subprocess
 import sys
 from pathlib import Path
@@ -60,12 +61,21 @@ def status_of(name: str) -> dict:
     return json.loads(run_cli("status", name, "--json").stdout)[0]
 
 
-def test_tensor_parallel_across_two_nodes_matches_tp1(slurm_env, tmp_path):
-    config = write_config(tmp_path / "tp2.yaml", HERE / "sandbox-tp2.yaml", results_dir=str(tmp_path / "results"))
+@contextmanager
+def deployed(config: Path, name: str):
+    """`hpcserve up` (must succeed), the deployment's status, then `down` and an empty queue."""
     done = run_cli("up", str(config), "--timeout", "900", timeout=1000)
     try:
         assert done.returncode == 0, done.stdout + done.stderr
-        status = status_of("sb-tp2")
+        yield status_of(name)
+    finally:
+        assert run_cli("down", name).returncode == 0
+    assert squeue_empty(os.environ)
+
+
+def test_tensor_parallel_across_two_nodes_matches_tp1(slurm_env, tmp_path):
+    config = write_config(tmp_path / "tp2.yaml", HERE / "sandbox-tp2.yaml", results_dir=str(tmp_path / "results"))
+    with deployed(config, "sb-tp2") as status:
         replica = status["replicas"][0]
         assert status["status"] == "ready" and replica["healthy"]
         assert sorted(replica["nodes"]) == ["hsn1", "hsn2"]  # one vLLM process per node
@@ -73,22 +83,14 @@ def test_tensor_parallel_across_two_nodes_matches_tp1(slurm_env, tmp_path):
         GREEDY["tp2"] = greedy_ids(replica["url"], os.environ["HPCSERVE_API_KEY"])
         assert GREEDY["tp2"] == transformers_greedy()
         check_ray_refuses_strangers(Path(status["run_dir"]))
-    finally:
-        assert run_cli("down", "sb-tp2").returncode == 0
-    assert squeue_empty(os.environ)
 
 
 def test_pipeline_parallel_across_two_nodes_matches_tp1(slurm_env, tmp_path):
     config = write_config(tmp_path / "pp2.yaml", HERE / "sandbox-pp2.yaml", results_dir=str(tmp_path / "results"))
-    done = run_cli("up", str(config), "--timeout", "900", timeout=1000)
-    try:
-        assert done.returncode == 0, done.stdout + done.stderr
-        replica = status_of("sb-pp2")["replicas"][0]
+    with deployed(config, "sb-pp2") as status:
+        replica = status["replicas"][0]
         assert sorted(replica["nodes"]) == ["hsn1", "hsn2"]  # one stage per node
         assert greedy_ids(replica["url"], os.environ["HPCSERVE_API_KEY"]) == transformers_greedy()
-    finally:
-        assert run_cli("down", "sb-pp2").returncode == 0
-    assert squeue_empty(os.environ)
 
 
 def check_ray_refuses_strangers(run_dir: Path) -> None:
@@ -111,10 +113,7 @@ def check_ray_refuses_strangers(run_dir: Path) -> None:
 
 def test_two_replicas_on_two_nodes_both_answer(slurm_env, tmp_path):
     config = write_config(tmp_path / "reps.yaml", HERE / "sandbox-replicas.yaml", results_dir=str(tmp_path / "results"))
-    done = run_cli("up", str(config), "--timeout", "900", timeout=1000)
-    try:
-        assert done.returncode == 0, done.stdout + done.stderr
-        status = status_of("sb-reps")
+    with deployed(config, "sb-reps") as status:
         replicas = status["replicas"]
         assert len(replicas) == 2 and all(r["healthy"] for r in replicas)
         assert {r["nodes"][0] for r in replicas} == {"hsn1", "hsn2"}  # spread: one per node
@@ -129,9 +128,6 @@ def test_two_replicas_on_two_nodes_both_answer(slurm_env, tmp_path):
             samples = [json.loads(line) for line in (monitor / f"{node}.jsonl").read_text().splitlines()]
             assert len(samples) >= 3 and samples[-1]["host"] == node
             assert max(s["engine_rss_mb"] for s in samples) > 100  # the vLLM process on that node
-    finally:
-        assert run_cli("down", "sb-reps").returncode == 0
-    assert squeue_empty(os.environ)
 
 
 def test_engine_that_fails_to_start_fails_up_with_its_own_error(slurm_env, tmp_path):
