@@ -20,8 +20,8 @@ app = typer.Typer(
          "checked before the next starts.\n\nStart here: `hpcserve up examples/local.yaml` (this machine, tiny model).",
     no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
 )
-console = Console()
-err = Console(stderr=True)
+console = Console(soft_wrap=True)  # paths and URLs stay whole when piped into logs
+err = Console(stderr=True, soft_wrap=True)
 
 ConfigArg = typer.Argument(..., help="deployment YAML (see examples/local.yaml)", show_default=False)
 NameArg = typer.Argument(..., help="deployment name (the 'name' in its config)", show_default=False)
