@@ -57,12 +57,19 @@ CASES = {
 }
 
 
+def registry(home: Path) -> set[str]:
+    """Deployments known to hpcserve (earlier tests of the session may have left failed ones)."""
+    folder = home / "deployments"
+    return {p.name for p in folder.iterdir()} if folder.is_dir() else set()
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_broken_config_is_refused_cleanly(case, tmp_path, hpcserve_home):
     text, expected = CASES[case]
     text = text.replace("results_dir: results", f"results_dir: {tmp_path / 'results'}")
     config = tmp_path / f"{case}.yaml"
     config.write_text(text)
+    registered = registry(hpcserve_home)
     result = run_cli("up", str(config), timeout=120)
     assert result.returncode == 2, result.stdout + result.stderr
     assert "Traceback" not in result.stdout + result.stderr
@@ -70,7 +77,7 @@ def test_broken_config_is_refused_cleanly(case, tmp_path, hpcserve_home):
     assert result.stderr.count("error:") == 1
     assert expected in " ".join(result.stderr.split()), result.stderr
     assert not (tmp_path / "results" / "logs").exists() or not any((tmp_path / "results" / "logs").iterdir())
-    assert not (hpcserve_home / "deployments").exists() or not any((hpcserve_home / "deployments").iterdir())
+    assert registry(hpcserve_home) == registered  # nothing registered, hence nothing started
 
 
 def test_port_in_use_is_refused(tmp_path, hpcserve_home):
@@ -80,10 +87,12 @@ def test_port_in_use_is_refused(tmp_path, hpcserve_home):
         port = busy.getsockname()[1]
         config = tmp_path / "busy.yaml"
         config.write_text(variant(serve__port=port, results_dir=str(tmp_path / "results")))
+        registered = registry(hpcserve_home)
         result = run_cli("up", str(config), timeout=120)
     assert result.returncode == 2
     assert f"port {port} is already in use" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "results" / "logs").exists() or not any((tmp_path / "results" / "logs").iterdir())
+    assert registry(hpcserve_home) == registered
 
 
 def test_missing_file_and_bad_arguments(tmp_path):
