@@ -20,6 +20,7 @@ import socket
 import sys
 import time
 import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -55,70 +56,32 @@ def job_nodes(local: bool) -> list[str]:
 
 
 def run(run_dir: Path) -> int:
-    from hpcserve.preflight import read_model_config, resolve_model_path
-    from hpcserve.raycluster.cluster import ClusterPlan, RayCluster
-    from hpcserve.raycluster.launch import LocalLauncher, SrunLauncher
-
     cfg = load_config(run_dir / "config.yaml")
-    local = cfg.cluster.scheduler == "local"
     progress = Progress(run_dir)
     # In a job the driver replaced the batch shell (exec): its process start is the job's start.
     progress.update(driver_pid=os.getpid(), driver_host=socket.gethostname(), status="starting",
                     job_started=psutil.Process().create_time())
-    api_key = os.environ.get(cfg.serve.api_key_env or "", "") or read_api_key(run_dir)
-    run_id = run_dir.name
-    cluster = None
-    replicas = None
-    samplers: dict = {}
+    own_log = str(run_dir / ("driver.log" if cfg.cluster.scheduler == "local" else "slurm.out"))
+    parts = Deployment()
     stage = "ray"
     try:
         install_stop_handlers()
-        nodes = job_nodes(local)
         os.environ.update(cfg.engine.env)  # reaches every node's Ray, hence every engine worker
-        progress.begin("ray", f"{len(nodes)} node(s): {', '.join(nodes)}")
-        plan = ClusterPlan(nodes=nodes, num_cpus=cfg.cluster.cpus_per_node, num_gpus=cfg.cluster.gpus_per_node,
-                           run_dir=run_dir, run_id=run_id, local=local)
-        cluster = RayCluster(plan, LocalLauncher() if local else SrunLauncher())
-        cluster.start()
+        start_ray(cfg, parts, run_dir, progress)
         install_stop_handlers()  # ray.init replaced them with handlers that only log and die
-        progress.update(ray={"gcs": cluster.gcs_address, "nodes": cluster.expected_addresses(),
-                             "pids": {n: p.pid for n, p in cluster.processes.items()}})
-        progress.done("ray")
         from hpcserve.monitoring.sampler import start_samplers
 
-        samplers = start_samplers(run_dir)
-
+        parts.samplers = start_samplers(run_dir)
         stage = "health"
-        progress.begin("health")
-        from hpcserve.raycluster.health import run_health_check
-
-        report = run_health_check(nodes=len(nodes), gpus_per_node=cfg.cluster.gpus_per_node,
-                                  rendezvous_port=cluster.ports.collective, out_dir=run_dir)
-        if not report.ok:
-            raise StageError("health", report.first_failure(), str(run_dir / "health.json"))
-        progress.done("health", report.summary_line())
+        check_health(cfg, parts.cluster, run_dir, progress)
         if os.environ.get(CHECK_ONLY_ENV):
             progress.update(status="checked")
             return 0
-
         stage = "engine"
-        model_path = resolve_model_path(cfg)
-        layout = resolve_layout(cfg, read_model_config(model_path))
-        progress.begin("engine", f"{layout.replicas} replica(s) of tensor {layout.tensor} x pipeline {layout.pipeline}")
-        from hpcserve.serving.replicas import ReplicaSet
-
-        replicas = ReplicaSet(cfg, layout, model_path, run_dir, api_key, cluster.ports.engine_master, cluster.gcs_address)
-        replicas.start()
-        for proc in replicas.processes():
-            samplers[proc.hostname].watch.remote([proc.pid])
-        progress.update(replicas=[{**r.describe(), "model": cfg.model.name, "healthy": False} for r in replicas.replicas])
-        answers = replicas.wait_ready(cfg.engine.startup_timeout_s)
-        progress.done("engine")
-        progress.update(replicas=[{**r.describe(), "model": cfg.model.name, "healthy": True} for r in replicas.replicas],
-                        ready_check={"prompt": "Hello, my name is", "answers": answers})
+        parts.replicas = start_engines(cfg, parts, run_dir, progress)
         progress.begin("ready")
         progress.update(status="ready")
-        watch(replicas, progress)
+        watch(parts.replicas)
         return 0
     except Stop as why:
         progress.update(status="stopping", stop_reason=str(why))
@@ -127,18 +90,79 @@ def run(run_dir: Path) -> int:
         progress.fail(exc.stage, exc.diagnosis, exc.log)
         return 1
     except HpcserveError as exc:
-        progress.fail(stage, str(exc), str(run_dir / "driver.log"))
+        progress.fail(stage, str(exc), own_log)
         return 1
     except Exception as exc:  # noqa: BLE001 - any other failure is still reported by stage
         traceback.print_exc()
-        progress.fail(stage, f"{type(exc).__name__}: {exc}", str(run_dir / "driver.log"))
+        progress.fail(stage, f"{type(exc).__name__}: {exc}", own_log)
         return 1
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # finish tearing down even if signalled again
-        teardown(replicas, samplers, cluster)
+        teardown(parts)
         if progress.state.get("status") not in ("failed", "checked"):
             progress.update(status="stopped")
         progress.done("stopped")
+
+
+@dataclass
+class Deployment:
+    """What the driver started, for teardown in reverse order."""
+
+    cluster: object = None
+    samplers: dict = field(default_factory=dict)
+    replicas: object = None
+
+
+def start_ray(cfg: DeploymentConfig, parts: Deployment, run_dir: Path, progress: Progress) -> None:
+    from hpcserve.raycluster.cluster import ClusterPlan, RayCluster
+    from hpcserve.raycluster.launch import LocalLauncher, SrunLauncher
+
+    local = cfg.cluster.scheduler == "local"
+    nodes = job_nodes(local)
+    progress.begin("ray", f"{len(nodes)} node(s): {', '.join(nodes)}")
+    plan = ClusterPlan(nodes=nodes, num_cpus=cfg.cluster.cpus_per_node, num_gpus=cfg.cluster.gpus_per_node,
+                       run_dir=run_dir, run_id=run_dir.name, local=local)
+    cluster = parts.cluster = RayCluster(plan, LocalLauncher() if local else SrunLauncher())  # stopped even half-started
+    cluster.start()
+    progress.update(ray={"gcs": cluster.gcs_address, "nodes": cluster.expected_addresses(),
+                         "pids": {n: p.pid for n, p in cluster.processes.items()}})
+    progress.done("ray")
+
+
+def check_health(cfg: DeploymentConfig, cluster, run_dir: Path, progress: Progress) -> None:
+    from hpcserve.raycluster.health import run_health_check
+
+    progress.begin("health")
+    report = run_health_check(nodes=len(cluster.plan.nodes), gpus_per_node=cfg.cluster.gpus_per_node,
+                              rendezvous_port=cluster.ports.collective, out_dir=run_dir)
+    if not report.ok:
+        raise StageError("health", report.first_failure(), str(run_dir / "health.json"))
+    progress.done("health", report.summary_line())
+
+
+def start_engines(cfg: DeploymentConfig, parts: Deployment, run_dir: Path, progress: Progress):
+    """Every replica's engines, watched by the samplers, ready only after a real completion each."""
+    from hpcserve.preflight import read_model_config, resolve_model_path
+    from hpcserve.serving.readiness import READY_PROMPT
+    from hpcserve.serving.replicas import ReplicaSet
+
+    model_path = resolve_model_path(cfg)
+    layout = resolve_layout(cfg, read_model_config(model_path))
+    progress.begin("engine", f"{layout.replicas} replica(s) of tensor {layout.tensor} x pipeline {layout.pipeline}")
+    api_key = os.environ.get(cfg.serve.api_key_env or "", "") or read_api_key(run_dir)
+    replicas = ReplicaSet(cfg, layout, model_path, run_dir, api_key, parts.cluster.ports.engine_master,
+                          parts.cluster.gcs_address)
+    parts.replicas = replicas  # torn down even if it fails half-way
+    replicas.start()
+    for proc in replicas.processes():
+        parts.samplers[proc.hostname].watch.remote([proc.pid])
+    describe = lambda healthy: [{**r.describe(), "model": cfg.model.name, "healthy": healthy}  # noqa: E731
+                                for r in replicas.replicas]
+    progress.update(replicas=describe(False))
+    answers = replicas.wait_ready(cfg.engine.startup_timeout_s)
+    progress.done("engine")
+    progress.update(replicas=describe(True), ready_check={"prompt": READY_PROMPT, "answers": answers})
+    return replicas
 
 
 def resolve_layout(cfg: DeploymentConfig, model_config: dict | None) -> Layout:
@@ -152,28 +176,28 @@ def resolve_layout(cfg: DeploymentConfig, model_config: dict | None) -> Layout:
     return plan_for_config(cfg, model_config).best_layout()
 
 
-def watch(replicas, progress: Progress) -> None:
+def watch(replicas) -> None:
     """Serve until stopped; an engine that dies marks the deployment failed (status never lies)."""
     while True:
         replicas.raise_if_dead()
         time.sleep(WATCH_INTERVAL_S)
 
 
-def teardown(replicas, samplers: dict, cluster) -> None:
-    if samplers:
+def teardown(parts: Deployment) -> None:
+    if parts.samplers:
         import ray
 
         try:
-            ray.get([s.stop.remote() for s in samplers.values()], timeout=10)
+            ray.get([s.stop.remote() for s in parts.samplers.values()], timeout=10)
         except Exception:  # noqa: BLE001 - samples so far are on disk already
             pass
-    if replicas is not None:
+    if parts.replicas is not None:
         try:
-            replicas.stop()
+            parts.replicas.stop()
         except Exception:  # noqa: BLE001 - keep going: the cluster must stop regardless
             traceback.print_exc()
-    if cluster is not None:
-        cluster.stop()
+    if parts.cluster is not None:
+        parts.cluster.stop()
 
 
 def main() -> None:
