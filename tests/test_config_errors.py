@@ -4,13 +4,12 @@ and nothing started (no registry entry, no run folder, no process)."""
 from __future__ import annotations
 
 import socket
-import textwrap
 from pathlib import Path
 
 import pytest
 import yaml
 
-from helpers import REPO, free_port, run_cli
+from helpers import REPO, run_cli
 
 LOCAL = yaml.safe_load((REPO / "examples" / "local.yaml").read_text())
 

@@ -26,7 +26,7 @@ from hpcserve import preflight
 from hpcserve.config import DeploymentConfig, Layout, load_config
 from hpcserve.errors import ConfigError, HpcserveError, StageError, UsageError
 from hpcserve.state import (API_KEY_FILE, STATE_FILE, TIMELINE_FILE, Record, forget, list_names, load_record,
-                            read_json, save_record)
+                            read_api_key, read_json, save_record)
 
 FINAL = {"ready", "failed", "stopped", "checked"}
 
@@ -435,8 +435,7 @@ def api_key_for(name: str) -> str | None:
     env = cfg.serve.api_key_env
     if env and os.environ.get(env):
         return os.environ[env]
-    path = Path(record.run_dir) / API_KEY_FILE
-    return path.read_text().strip() if path.is_file() else None
+    return read_api_key(record.run_dir)
 
 
 __all__ = ["up", "down", "status", "log_files", "prepare", "api_key_for", "load_record", "HpcserveError"]

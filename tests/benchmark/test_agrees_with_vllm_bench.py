@@ -14,7 +14,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,18 +27,14 @@ from hpcserve.benchmark.loadgen import LoadShape
 from hpcserve.benchmark.runner import BenchOptions, run_benchmark
 from hpcserve.state import Endpoint
 
+from helpers import free_port
+
 INPUT_LEN, OUTPUT_LEN, CONCURRENCY, NUM_PROMPTS = 64, 32, 4, 120
 # Closed loop (fixed concurrency, no request rate): with Poisson arrivals the throughput of N requests is
 # set by the sampled arrival span (+-9% for N=120), and the two tools draw different samples.
 PAIRS = 5  # odd: the median is one pair, not an average of two
 TOLERANCE = 0.05
 SERVER_READY_S = 180
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _tiny_model() -> Path:
@@ -82,7 +77,7 @@ def _stop(process: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module")
 def vllm_server(tmp_path_factory):
-    model, port = _tiny_model(), _free_port()
+    model, port = _tiny_model(), free_port()
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     argv = [sys.executable, "-m", "hpcserve.engine.vllm_cli", "serve", str(model), "--served-model-name", "tiny",
             "--dtype", "float32", "--max-model-len", "512", "--host", "127.0.0.1", "--port", str(port)]

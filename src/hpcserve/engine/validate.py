@@ -68,7 +68,7 @@ def memory_figures(samples: dict[str, list[dict]], engine_started: float, engine
     flat = [s for host in samples.values() for s in host]
     loading = [s for s in flat if engine_started <= s["time"] < engine_ready]
     serving = [s for s in flat if s["time"] >= engine_ready]
-    engine = [s for s in loading + serving]
+    engine = loading + serving
     gpu_mem = [sum(g["mem_used_mb"] for g in s["gpus"]) for s in engine if s.get("gpus")]
     gpu_util = [sum(g["util_pct"] for g in s["gpus"]) / len(s["gpus"]) for s in serving if s.get("gpus")]
     cpu = [s["engine_cpu_pct"] for s in serving] or [0.0]

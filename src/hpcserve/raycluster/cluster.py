@@ -8,6 +8,7 @@ by name, with its log.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -92,8 +93,6 @@ class RayCluster:
         return self.plan.run_dir / "nodes" / node / "launch.log"
 
     def _wait_for_head(self) -> None:
-        import socket
-
         deadline = time.monotonic() + self.plan.join_timeout_s
         while True:
             self._raise_if_exited()
@@ -194,8 +193,6 @@ def missing_nodes(expected: dict[str, str | None], alive: list[dict], cpus: int,
 
 
 def _address_of(hostname: str) -> str:
-    import socket
-
     return socket.gethostbyname(hostname)
 
 

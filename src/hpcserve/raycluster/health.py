@@ -273,7 +273,7 @@ def measure_collective(alive, pin, names, gpus_per_node, port, out_dir, timeout_
     backend = "nccl" if gpus_per_node else "gloo"
     per_node = gpus_per_node or 1
     world = len(alive) * per_node
-    master = alive[0]["NodeManagerAddress"] if len(alive) == 1 else _head_first(alive)[0]["NodeManagerAddress"]
+    master = _head_first(alive)[0]["NodeManagerAddress"]
     env = {}
     if backend == "nccl" and out_dir is not None:
         env = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET", "NCCL_DEBUG_FILE": f"{out_dir}/nccl.%h.%p.log"}
