@@ -53,6 +53,13 @@ CASES = {
     "api-key-in-args": (variant(engine__args=["--api-key", "secret"]), "--api-key would show in process lists"),
     "open-host-without-key": (variant(serve__host="0.0.0.0", serve__api_key_env=None), "'serve.api_key_env' is not set"),
     "unknown-builtin": (variant(model__path="builtin:gpt-9"), "unknown builtin model"),
+    "autoscale-without-slurm": (variant(autoscale={"min": 1, "max": 2}), "autoscale adds and removes Slurm jobs"),
+    "autoscale-min-above-max": (variant(autoscale={"min": 3, "max": 2}, cluster__scheduler="slurm"),
+                                "autoscale.min (3) is larger than autoscale.max (2)"),
+    "container-on-local": (variant(site={"runtime": "apptainer", "image": "/x.sif"}),
+                           "site.runtime 'apptainer' wraps Slurm job steps"),
+    "container-without-image": (variant(site={"runtime": "pyxis"}), "site.runtime 'pyxis' needs site.image"),
+    "unknown-catalog-model": (variant(model__catalog="llama-9-1t"), "llama-9-1t"),
 }
 
 

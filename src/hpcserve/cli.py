@@ -14,6 +14,7 @@ from rich.table import Table
 
 from hpcserve import api
 from hpcserve.errors import HpcserveError, UsageError
+from hpcserve.timeline import breakdown_line
 
 app = typer.Typer(
     help="Serve LLMs on HPC clusters: Slurm allocates, Ray connects the nodes, vLLM serves; each layer is "
@@ -25,6 +26,8 @@ err = Console(stderr=True, soft_wrap=True)
 
 ConfigArg = typer.Argument(..., help="deployment YAML (see examples/local.yaml)", show_default=False)
 NameArg = typer.Argument(..., help="deployment name (the 'name' in its config)", show_default=False)
+SiteOption = typer.Option(None, "--site", help="YAML file with the site section (runtime, image, container_command, "
+                          "binds, gres); replaces the config's site:", show_default=False)
 
 
 def fail(exc: HpcserveError) -> None:
@@ -58,11 +61,14 @@ STAGE_WAIT = {"ray": "starting Ray on every node", "health": "running the health
 @app.command()
 @guarded
 def up(config: Path = ConfigArg,
-       timeout: Optional[float] = typer.Option(None, help="seconds to wait for ready (default: engine.startup_timeout_s + 600)")):
+       timeout: Optional[float] = typer.Option(None, help="seconds to wait for ready (default: engine.startup_timeout_s + 600)"),
+       site: Optional[Path] = SiteOption):
     """Start a deployment and wait until it serves: job -> Ray cluster -> health check -> engine -> a real completion.
 
     Returns while the deployment keeps running; stop it with `hpcserve down NAME`.
     """
+    from hpcserve.site.files import load_with_site
+
     t0 = time.monotonic()
     spinner = console.status("submitting", spinner="dots")
 
@@ -74,7 +80,7 @@ def up(config: Path = ConfigArg,
             spinner.update(STAGE_WAIT.get(event.stage, event.stage))
 
     with spinner:
-        result = api.up(config, on_event=show, timeout_s=timeout)
+        result = api.up(load_with_site(config, site) if site else config, on_event=show, timeout_s=timeout)
     if result.status != "ready":
         state = api.read_json(result.run_dir / api.STATE_FILE, {}) or {}
         error = state.get("error") or {}
@@ -87,8 +93,14 @@ def up(config: Path = ConfigArg,
         err.print(f"results folder: {result.run_dir}  (nothing was left running)")
         raise typer.Exit(1)
     console.print(f"[bold green]ready[/] in {result.seconds:.1f} s: {result.name}")
+    if result.stages:
+        console.print(f"  where the time went: {breakdown_line(result.stages)}", highlight=False)
+    if result.endpoint:
+        console.print(f"  endpoint: OpenAI base URL [bold]{result.endpoint}/v1[/]  model '{cfg_model(result)}'  "
+                      f"({len(result.replicas)} replica(s) behind the router)")
     for rep in result.replicas:
-        console.print(f"  replica {rep['index']}: OpenAI base URL [bold]{rep['url']}/v1[/]  model '{rep['model']}'  "
+        url = f"{rep['url']}/v1" if result.endpoint else f"[bold]{rep['url']}/v1[/]"
+        console.print(f"  replica {rep['index']}: OpenAI base URL {url}  model '{rep['model']}'  "
                       f"nodes {', '.join(rep['nodes'])}")
     if result.api_key_source and result.api_key_source != "none":
         console.print(f"  API key: {result.api_key_source}  (send it as 'Authorization: Bearer KEY')")
@@ -142,9 +154,29 @@ def status(name: Optional[str] = typer.Argument(None, help="one deployment; defa
         table.add_row(r.name, _colour(r.status), r.stage or "-", r.runner, reps, r.run_dir)
     console.print(table)
     for r in rows:
+        _show_endpoint(r)
+        if r.stages:
+            console.print(f"{r.name}: {breakdown_line(r.stages)}", highlight=False)
         if r.error:
             err.print(f"{r.name}: stage '{r.error['stage']}' failed: {r.error['diagnosis']} (read {r.error.get('log')})",
                       highlight=False)
+
+
+def cfg_model(result: api.UpResult) -> str:
+    return result.replicas[0]["model"] if result.replicas else "?"
+
+
+def _show_endpoint(r: api.DeploymentStatus) -> None:
+    if not r.endpoint:
+        return
+    console.print(f"{r.name}: endpoint {r.endpoint}/v1", highlight=False)
+    for m in r.members:
+        ready = f", ready after {m['ready_s']:.0f} s" if m.get("ready_s") else ""
+        note = f" ({m['note']})" if m.get("note") else ""
+        console.print(f"  member {m['name']} [{m['role']}] {m['status']}{ready}: {m['runner']}{note}", highlight=False)
+    for d in r.decisions[-8:]:
+        when = time.strftime("%H:%M:%S", time.localtime(d["time"]))
+        console.print(f"  {when} {d['action']}: {d['reason']}", highlight=False)
 
 
 def _colour(state: str) -> str:
@@ -194,13 +226,14 @@ def _follow(files: list[Path]) -> None:
 
 @app.command()
 @guarded
-def render(config: Path = ConfigArg):
+def render(config: Path = ConfigArg, site: Optional[Path] = SiteOption):
     """Print the sbatch script `up` would submit (dry run; nothing is submitted)."""
-    from hpcserve.config import load_config
+    from hpcserve.runner import config_yaml
+    from hpcserve.site.files import load_with_site
     from hpcserve.slurm.render import render_batch_script
 
-    cfg = load_config(config)
-    print(render_batch_script(cfg, api.config_yaml(cfg), sys.executable, Path(cfg.results_dir).resolve()), end="")
+    cfg = load_with_site(config, site)
+    print(render_batch_script(cfg, config_yaml(cfg), sys.executable, Path(cfg.results_dir).resolve()), end="")
 
 
 @app.command()
@@ -231,22 +264,32 @@ def check(config: Path = ConfigArg):
 
 @app.command()
 @guarded
-def plan(config: Path = ConfigArg):
+def plan(config: Optional[Path] = typer.Argument(None, help="deployment YAML (see examples/local.yaml)", show_default=False),
+         concurrency: Optional[int] = typer.Option(None, min=1, help="requests in flight to plan for (default: "
+                                                   "serve.expected_concurrency; neither: rank by capacity)"),
+         list_models: bool = typer.Option(False, "--list-models", help="list the model catalogue (model.catalog names)")):
     """Pick the tensor x pipeline x replicas layout that fits the model and serves the most tokens/s.
 
-    Reads the model's config.json and the cluster section; explains weights per GPU, KV-cache capacity
-    and the concurrent sequences that fit at max_model_len. `parallelism: auto` uses the same choice.
+    Reads the model's config.json (or the catalogue shape named by model.catalog) and the cluster section;
+    explains weights per GPU, KV-cache capacity, the concurrent sequences that fit at max_model_len and, with
+    an expected concurrency, how loaded each replica is. `parallelism: auto` uses the same choice.
     """
     from hpcserve.config import Layout, load_config
-    from hpcserve.errors import ConfigError
-    from hpcserve.preflight import read_model_config, resolve_model_path
+    from hpcserve.preflight import model_config_for, resolve_model_path
     from hpcserve.serving.planner import check_config_layout, plan_for_config, render_plan_table
 
+    if list_models:
+        from hpcserve.serving.catalog import listing
+
+        for line in listing():
+            console.print(line, highlight=False)
+        return
+    if config is None:
+        raise UsageError("give a deployment YAML (hpcserve plan CONFIG), or --list-models for the model catalogue")
     cfg = load_config(config)
-    model_config = read_model_config(resolve_model_path(cfg))
-    if model_config is None:
-        raise ConfigError(f"'model.path' = {cfg.model.path!r}: the planner needs the model's config.json; "
-                          "give a local model folder")
+    if concurrency is not None:
+        cfg = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={"expected_concurrency": concurrency})})
+    model_config = model_config_for(cfg, resolve_model_path(cfg))
     result = plan_for_config(cfg, model_config)
     console.print(render_plan_table(result))
     for line in result.explain():
@@ -310,11 +353,13 @@ def baseline(config: Path = ConfigArg,
 
 def _mount_subcommands() -> None:
     from hpcserve.benchmark.cli import bench
+    from hpcserve.doctor.cli import doctor
     from hpcserve.monitoring.cli import monitor
     from hpcserve.sandbox.cli import app as sandbox_app
 
     app.add_typer(sandbox_app, name="sandbox", help="A real multi-node Slurm cluster on this machine, for trying and testing.")
     app.command(help=bench.__doc__)(bench)
+    app.command(help=doctor.__doc__)(doctor)
     app.command(help=monitor.__doc__)(monitor)
 
 

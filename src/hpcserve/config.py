@@ -26,6 +26,8 @@ class Strict(BaseModel):
 
 class ModelSpec(Strict):
     path: str = Field(description=f"local folder, a hub id, or {BUILTIN_TINY} (built on first use)")
+    catalog: str | None = Field(None, description="a catalogue name such as llama-3.1-70b: the model's shape and "
+                                "recommended settings without reading config.json (`hpcserve plan --list-models`)")
     served_name: str | None = Field(None, description="name clients use in requests; default: the folder name")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     max_model_len: int | None = Field(None, gt=0, description="context length; default: the model's")
@@ -94,6 +96,47 @@ class ServeSpec(Strict):
     port: int = Field(8000, ge=1, le=65535)
     api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
                                     description="name of the environment variable that holds the API key")
+    expected_concurrency: int | None = Field(None, gt=0, description="requests in flight you expect: the "
+                                             "planner scores layouts at this load, not at their capacity")
+    router: bool = Field(True, description="one endpoint on serve.port in front of all replicas; false: each "
+                         "replica is its own endpoint on serve.port + index")
+    handover_s: float | None = Field(None, gt=0, description="Slurm: submit a job's successor this long before "
+                                     "its time limit; default 1.5 x its measured startup + 60 s")
+
+
+class AutoscaleSpec(Strict):
+    """Replicas follow the load: one Slurm job per extra replica, drained and cancelled when idle."""
+
+    min: int = Field(1, ge=1, description="replicas always kept")
+    max: int = Field(4, ge=1, description="replicas at most")
+    target_queue: float = Field(4.0, gt=0, description="waiting requests per replica above which one is added")
+    scale_up_after_s: float = Field(10.0, gt=0, description="how long the queue must stay above target")
+    scale_down_after_s: float = Field(60.0, gt=0, description="how long a replica must be idle to be removed")
+
+    @model_validator(mode="after")
+    def _min_le_max(self) -> AutoscaleSpec:
+        if self.min > self.max:
+            raise ValueError(f"autoscale.min ({self.min}) is larger than autoscale.max ({self.max}): swap them")
+        return self
+
+
+class SiteSpec(Strict):
+    """How a site runs software on its compute nodes (also loadable alone with `--site FILE`)."""
+
+    runtime: Literal["venv", "apptainer", "pyxis"] = Field(
+        "venv", description="venv: cluster.setup activates it; apptainer: every process runs in `apptainer exec "
+        "--nv IMAGE`; pyxis: srun --container-image=IMAGE")
+    image: str | None = Field(None, description="container image (.sif for apptainer, a squashfs or URI for pyxis)")
+    container_command: str = Field("apptainer", description="apptainer or singularity (a path works too)")
+    binds: list[str] = Field(default_factory=list, description="extra paths mounted into the container; the "
+                             "model and results folders are mounted always")
+    gres: bool = Field(True, description="false: the partition has no GRES; GPUs are not requested by --gpus-per-node")
+
+    @model_validator(mode="after")
+    def _image_for_containers(self) -> SiteSpec:
+        if self.runtime != "venv" and not self.image:
+            raise ValueError(f"site.runtime '{self.runtime}' needs site.image: the container image to run")
+        return self
 
 
 class DeploymentConfig(Strict):
@@ -103,6 +146,8 @@ class DeploymentConfig(Strict):
     parallelism: Union[Literal["auto"], Layout] = Field(Layout(), description="'auto' or {tensor, pipeline, replicas}")
     engine: EngineSpec = EngineSpec()
     serve: ServeSpec = ServeSpec()
+    autoscale: AutoscaleSpec | None = Field(None, description="replicas follow the load (Slurm only)")
+    site: SiteSpec = SiteSpec()
     results_dir: str = "results"
 
     @model_validator(mode="after")
@@ -111,6 +156,12 @@ class DeploymentConfig(Strict):
             problem = layout_problem(self.parallelism, self.cluster)
             if problem:
                 raise ValueError(problem)
+        if self.site.runtime != "venv" and self.cluster.scheduler == "local":
+            raise ValueError(f"site.runtime '{self.site.runtime}' wraps Slurm job steps; scheduler 'local' runs "
+                             "outside any container: set cluster.scheduler: slurm or site.runtime: venv")
+        if self.autoscale and (self.cluster.scheduler != "slurm" or not self.serve.router):
+            raise ValueError("autoscale adds and removes Slurm jobs behind the router: it needs "
+                             "cluster.scheduler 'slurm' and serve.router true (or remove autoscale)")
         if self.executor == "ray" and self.cluster.gpus_per_node == 0:
             raise ValueError("engine.executor 'ray' needs GPUs (vLLM on CPU refuses it): use 'mp' or set cluster.gpus_per_node")
         return self

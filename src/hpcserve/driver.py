@@ -63,7 +63,6 @@ def run(run_dir: Path) -> int:
                     job_started=psutil.Process().create_time())
     own_log = str(run_dir / ("driver.log" if cfg.cluster.scheduler == "local" else "slurm.out"))
     parts = Deployment()
-    stage = "ray"
     try:
         install_stop_handlers()
         os.environ.update(cfg.engine.env)  # reaches every node's Ray, hence every engine worker
@@ -72,13 +71,17 @@ def run(run_dir: Path) -> int:
         from hpcserve.monitoring.sampler import start_samplers
 
         parts.samplers = start_samplers(run_dir)
-        stage = "health"
-        check_health(cfg, parts.cluster, run_dir, progress)
-        if os.environ.get(CHECK_ONLY_ENV):
+        check_only = bool(os.environ.get(CHECK_ONLY_ENV))
+        # The engines' load (tens of seconds to minutes) starts as soon as the checks that need the
+        # nodes' GPUs and CPUs passed, and overlaps the rest of the health check.
+        start_early = None if check_only else lambda: start_engines(cfg, parts, run_dir, progress)
+        check_health(cfg, parts.cluster, run_dir, progress, start_early)
+        if check_only:
             progress.update(status="checked")
             return 0
-        stage = "engine"
-        parts.replicas = start_engines(cfg, parts, run_dir, progress)
+        if parts.replicas is None:
+            start_engines(cfg, parts, run_dir, progress)
+        wait_engines_ready(cfg, parts.replicas, progress)
         progress.begin("ready")
         progress.update(status="ready")
         watch(parts.replicas)
@@ -90,11 +93,11 @@ def run(run_dir: Path) -> int:
         progress.fail(exc.stage, exc.diagnosis, exc.log)
         return 1
     except HpcserveError as exc:
-        progress.fail(stage, str(exc), own_log)
+        progress.fail(progress.state.get("stage", "ray"), str(exc), own_log)
         return 1
     except Exception as exc:  # noqa: BLE001 - any other failure is still reported by stage
         traceback.print_exc()
-        progress.fail(stage, f"{type(exc).__name__}: {exc}", own_log)
+        progress.fail(progress.state.get("stage", "ray"), f"{type(exc).__name__}: {exc}", own_log)
         return 1
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # finish tearing down even if signalled again
@@ -129,25 +132,26 @@ def start_ray(cfg: DeploymentConfig, parts: Deployment, run_dir: Path, progress:
     progress.done("ray")
 
 
-def check_health(cfg: DeploymentConfig, cluster, run_dir: Path, progress: Progress) -> None:
+def check_health(cfg: DeploymentConfig, cluster, run_dir: Path, progress: Progress,
+                 on_resources_checked=None) -> None:
     from hpcserve.raycluster.health import run_health_check
 
     progress.begin("health")
     report = run_health_check(nodes=len(cluster.plan.nodes), gpus_per_node=cfg.cluster.gpus_per_node,
-                              rendezvous_port=cluster.ports.collective, out_dir=run_dir)
+                              rendezvous_port=cluster.ports.collective, out_dir=run_dir,
+                              on_resources_checked=on_resources_checked)
     if not report.ok:
         raise StageError("health", report.first_failure(), str(run_dir / "health.json"))
     progress.done("health", report.summary_line())
 
 
-def start_engines(cfg: DeploymentConfig, parts: Deployment, run_dir: Path, progress: Progress):
-    """Every replica's engines, watched by the samplers, ready only after a real completion each."""
-    from hpcserve.preflight import read_model_config, resolve_model_path
-    from hpcserve.serving.readiness import READY_PROMPT
+def start_engines(cfg: DeploymentConfig, parts: Deployment, run_dir: Path, progress: Progress) -> None:
+    """Start every replica's engines, watched by the samplers; returns while they load."""
+    from hpcserve.preflight import model_config_for, resolve_model_path
     from hpcserve.serving.replicas import ReplicaSet
 
     model_path = resolve_model_path(cfg)
-    layout = resolve_layout(cfg, read_model_config(model_path))
+    layout = resolve_layout(cfg, model_config_for(cfg, model_path))
     progress.begin("engine", f"{layout.replicas} replica(s) of tensor {layout.tensor} x pipeline {layout.pipeline}")
     api_key = os.environ.get(cfg.serve.api_key_env or "", "") or read_api_key(run_dir)
     replicas = ReplicaSet(cfg, layout, model_path, run_dir, api_key, parts.cluster.ports.engine_master,
@@ -156,13 +160,22 @@ def start_engines(cfg: DeploymentConfig, parts: Deployment, run_dir: Path, progr
     replicas.start()
     for proc in replicas.processes():
         parts.samplers[proc.hostname].watch.remote([proc.pid])
-    describe = lambda healthy: [{**r.describe(), "model": cfg.model.name, "healthy": healthy}  # noqa: E731
-                                for r in replicas.replicas]
-    progress.update(replicas=describe(False))
+    progress.update(replicas=describe(replicas, cfg, healthy=False))
+
+
+def wait_engines_ready(cfg: DeploymentConfig, replicas, progress: Progress) -> None:
+    """Ready only after a real completion came back from every replica."""
+    from hpcserve.serving.readiness import READY_PROMPT
+
+    progress.update(stage="engine")
     answers = replicas.wait_ready(cfg.engine.startup_timeout_s)
     progress.done("engine")
-    progress.update(replicas=describe(True), ready_check={"prompt": READY_PROMPT, "answers": answers})
-    return replicas
+    progress.update(replicas=describe(replicas, cfg, healthy=True),
+                    ready_check={"prompt": READY_PROMPT, "answers": answers})
+
+
+def describe(replicas, cfg: DeploymentConfig, healthy: bool) -> list[dict]:
+    return [{**r.describe(), "model": cfg.model.name, "healthy": healthy} for r in replicas.replicas]
 
 
 def resolve_layout(cfg: DeploymentConfig, model_config: dict | None) -> Layout:
@@ -171,8 +184,8 @@ def resolve_layout(cfg: DeploymentConfig, model_config: dict | None) -> Layout:
     from hpcserve.serving.planner import plan_for_config
 
     if model_config is None:
-        raise StageError("engine", "parallelism 'auto' needs the model's config.json; give a local model folder "
-                         "or set tensor/pipeline/replicas", None)
+        raise StageError("engine", "parallelism 'auto' needs the model's config.json; give a local model folder, "
+                         "name the model in model.catalog, or set tensor/pipeline/replicas", None)
     return plan_for_config(cfg, model_config).best_layout()
 
 

@@ -19,7 +19,9 @@ def looks_like_path(spec: str) -> bool:
 
 
 def resolve_model_path(cfg: DeploymentConfig) -> str:
-    """The folder (or hub id) vLLM loads. The builtin tiny model is built here on first use."""
+    """The folder (or hub id) vLLM loads. The builtin tiny model is built here on first use. With
+    model.catalog the folder may be missing here or lack config.json (weights staged later, or only on the
+    compute nodes): the catalogue gives the planner the shape, so only a well-formed path is required."""
     spec = cfg.model.path
     if spec == BUILTIN_TINY:
         from hpcserve.models.tiny import tiny_model_path
@@ -29,6 +31,11 @@ def resolve_model_path(cfg: DeploymentConfig) -> str:
         raise ConfigError(f"'model.path' = {spec!r}: unknown builtin model; the only one is {BUILTIN_TINY}")
     if looks_like_path(spec):
         path = Path(spec).expanduser()
+        if cfg.model.catalog and not (path / "config.json").is_file():
+            from hpcserve.serving.catalog import lookup
+
+            lookup(cfg.model.catalog)  # an unknown name is the error to report, not the missing folder
+            return str(path.absolute())
         if not path.is_dir():
             raise ConfigError(f"'model.path' = {spec!r}: no such folder. Point it at a local model folder "
                               f"(with config.json), a hub id like org/name, or {BUILTIN_TINY}")
@@ -46,6 +53,23 @@ def read_model_config(model_path: str) -> dict | None:
         return json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path}: not valid JSON ({exc}); the model folder is damaged") from None
+
+
+def model_config_for(cfg: DeploymentConfig, model_path: str) -> dict | None:
+    """The config.json the planner reads for this deployment: the checkpoint's (checked against model.catalog
+    when both exist: one ConfigError listing what differs), else the catalogue's, else None."""
+    from hpcserve.serving.catalog import resolve_config
+
+    return resolve_config(cfg.model.catalog, read_model_config(model_path), cfg.model.quantization)
+
+
+def check_weights_here(cfg: DeploymentConfig, model_path: str) -> None:
+    """With cluster.scheduler 'local' vLLM loads model.path on this machine: a catalogue name plans without
+    the weights, but serving needs them."""
+    if cfg.cluster.scheduler == "local" and looks_like_path(model_path) and not (Path(model_path) / "config.json").is_file():
+        raise ConfigError(f"'model.path' = {cfg.model.path!r}: no model folder with config.json here, and "
+                          "cluster.scheduler 'local' serves from this machine. Stage the weights there first "
+                          "(model.catalog lets `hpcserve plan` run without them)")
 
 
 def check_api_key(cfg: DeploymentConfig) -> None:

@@ -14,15 +14,17 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from hpcserve.errors import NotFoundError
+from hpcserve.errors import NotFoundError, UsageError
 
 STATE_FILE = "state.json"
 TIMELINE_FILE = "timeline.json"
 API_KEY_FILE = "api_key"
+API_KEY_SOURCE_FILE = "api_key_source"  # where clients find the key: the file above, $VARIABLE, or none
 
 
 def home() -> Path:
@@ -41,6 +43,7 @@ class Record:
     driver_started: float | None = None  # create time, so a reused PID is never mistaken for ours
     config_path: str | None = None
     created: float = field(default_factory=time.time)
+    kind: str = "driver"  # or "endpoint": the router and controller in front of member deployments
 
 
 def registry_dir() -> Path:
@@ -57,7 +60,9 @@ def load_record(name: str) -> Record:
     if not path.is_file():
         known = ", ".join(list_names()) or "none"
         raise NotFoundError(f"no deployment named '{name}' (known: {known}). Start one with `hpcserve up CONFIG`.")
-    return Record(**json.loads(path.read_text()))
+    data = json.loads(path.read_text())
+    known = {f.name for f in fields(Record)}  # a record written by another hpcserve version still loads
+    return Record(**{k: v for k, v in data.items() if k in known})
 
 
 def list_names() -> list[str]:
@@ -84,9 +89,28 @@ def read_json(path: Path, default: Any = None) -> Any:
         return default
 
 
-def read_api_key(run_dir: str | Path) -> str | None:
+def read_api_key(run_dir: str | Path, environ: Mapping[str, str] = os.environ) -> str | None:
+    """The key clients send to the deployment of this run folder, found the way `up` stored it: the
+    generated file (mode 0600), else the environment variable that api_key_source names ($NAME)."""
     path = Path(run_dir) / API_KEY_FILE
-    return path.read_text().strip() if path.is_file() else None
+    if path.is_file():
+        return path.read_text().strip()
+    variable = key_variable(run_dir)
+    if variable is None:
+        return None
+    if not environ.get(variable):
+        raise UsageError(f"this deployment's API key is in ${variable} (serve.api_key_env), which is not set "
+                         f"here: export {variable} as when you ran `hpcserve up`, or pass --api-key-env NAME")
+    return environ[variable]
+
+
+def key_variable(run_dir: str | Path) -> str | None:
+    """The environment variable that holds the deployment's key, as `up` recorded it (api_key_source)."""
+    try:
+        source = (Path(run_dir) / API_KEY_SOURCE_FILE).read_text().strip()
+    except OSError:
+        return None
+    return source[1:] if source.startswith("$") else None
 
 
 @dataclass(frozen=True)
@@ -106,6 +130,9 @@ def resolve_endpoint(target: str, api_key: str | None = None) -> list[Endpoint]:
     state = read_json(Path(record.run_dir) / STATE_FILE, {}) or {}
     key = api_key or read_api_key(record.run_dir)
     replicas = state.get("replicas") or []
+    endpoint = (state.get("endpoint") or {}).get("url")
+    if endpoint and state.get("status") == "ready":  # one URL in front of every replica: the router
+        return [Endpoint(endpoint, replicas[0].get("model") if replicas else None, key)]
     if not replicas:
         raise NotFoundError(f"deployment '{target}' has no endpoint yet (stage: {state.get('stage', 'unknown')}); "
                             f"see `hpcserve status {target}`")

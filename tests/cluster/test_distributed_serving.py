@@ -123,6 +123,15 @@ def test_two_replicas_on_two_nodes_both_answer(slurm_env, tmp_path):
             assert answers[0] == GREEDY["tp2"]  # single-node TP=1 == two-node TP=2
         table = run_cli("status", "sb-reps").stdout
         assert table.count("healthy") == 2
+        # The key is in $HPCSERVE_API_KEY (serve.api_key_env), as for `up`: bench by name finds it.
+        bench = run_cli("bench", "sb-reps", "--num-prompts", "4", "--concurrency", "2", "--input-len", "16",
+                        "--output-len", "4", "--out", str(tmp_path / "bench.json"))
+        assert bench.returncode == 0, bench.stdout + bench.stderr
+        summary = json.loads((tmp_path / "bench.json").read_text())["runs"][0]["summary"]
+        assert summary["completed"] == 4 and summary["failed"] == 0
+        unset = run_cli("bench", "sb-reps", "--num-prompts", "1", env={"HPCSERVE_API_KEY": ""})
+        assert unset.returncode == 2 and "export HPCSERVE_API_KEY" in unset.stderr, unset.stderr
+        assert "Traceback" not in unset.stderr
         monitor = Path(status["run_dir"]) / "monitor"  # a sampler on every node, one line a second
         for node in ("hsn1", "hsn2"):
             samples = [json.loads(line) for line in (monitor / f"{node}.jsonl").read_text().splitlines()]

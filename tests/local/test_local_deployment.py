@@ -55,9 +55,19 @@ def test_up_reports_ready_with_url_and_a_real_answer(deployment):
 def test_stages_recorded_in_timeline(deployment):
     timeline = json.loads((deployment["run_dir"] / "timeline.json").read_text())
     done = [e["stage"] for e in timeline if e["event"] == "done"]
-    assert done[:3] == ["ray", "health", "engine"]
-    health = json.loads((deployment["run_dir"] / "health.json").read_text())
+    assert done[:4] == ["ray", "health", "engine", "router"]
+    member = deployment["status"]["members"][0]  # the replica's own deployment, behind the router
+    health = json.loads((Path(member["run_dir"]) / "health.json").read_text())
     assert health["ok"] and len(health["nodes"]) == 1
+    assert "where the time went: " in deployment["up"].stdout and "engine " in deployment["up"].stdout
+
+
+def test_one_endpoint_in_front_of_the_replica(deployment):
+    status = deployment["status"]
+    assert status["endpoint"] == f"http://127.0.0.1:{deployment['port']}"
+    replica = status["replicas"][0]["url"]
+    assert replica != status["endpoint"] and status["replicas"][0]["healthy"]
+    assert [d["action"] for d in status["decisions"]][:2] == ["launch initial", "join"]
 
 
 def test_status_tells_ready_and_healthy(deployment):
@@ -96,6 +106,25 @@ def test_api_key_required(deployment):
     assert httpx.post(deployment["url"] + "/v1/completions", json=body, timeout=30).status_code == 401
     wrong = {"Authorization": "Bearer wrong"}
     assert httpx.post(deployment["url"] + "/v1/completions", json=body, headers=wrong, timeout=30).status_code == 401
+
+
+BENCH = ("--num-prompts", "4", "--concurrency", "2", "--input-len", "16", "--output-len", "4")
+
+
+def test_bench_by_name_finds_the_generated_key(deployment, tmp_path):
+    done = run_cli("bench", "t-local", *BENCH, "--out", str(tmp_path / "bench.json"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = json.loads((tmp_path / "bench.json").read_text())["runs"][0]["summary"]
+    assert summary["completed"] == 4 and summary["failed"] == 0
+
+
+def test_bench_of_a_bare_url_behind_a_key_names_the_option(deployment):
+    refused = run_cli("bench", deployment["url"], *BENCH)
+    assert refused.returncode == 2
+    message = " ".join(refused.stderr.split())
+    assert "HTTP 401" in message and "--api-key-env" in message and "Traceback" not in message
+    passed = run_cli("bench", deployment["url"], *BENCH, "--api-key-env", "T_KEY", env={"T_KEY": deployment["key"]})
+    assert passed.returncode == 0, passed.stdout + passed.stderr
 
 
 def test_api_key_not_in_process_list(deployment):

@@ -46,7 +46,7 @@ def deployment(hpcserve_home, tmp_path_factory):
         up = run_cli("up", str(config), "--timeout", "600", env={"HPCSERVE_API_KEY": ""})
         if up.returncode != 0:
             pytest.fail(f"hpcserve up failed:\n{up.stdout}\n{up.stderr}")
-        run_dir = next((work / "results" / "logs").glob(f"{NAME}-local-*"))
+        run_dir = next((work / "results" / "logs").glob(f"{NAME}-*"))
         yield {"url": f"http://127.0.0.1:{port}", "key": (run_dir / "api_key").read_text().strip()}
     finally:
         run_cli("down", NAME)

@@ -141,9 +141,23 @@ async def discover_model(endpoint: Endpoint, timeout_s: float = 30.0) -> str:
         async with (aiohttp.ClientSession(timeout=timeout, trust_env=False) as session,
                     session.get(url, headers=auth_headers(endpoint.api_key), raise_for_status=True) as response):
             return (await response.json(content_type=None))["data"][0]["id"]
+    except aiohttp.ClientResponseError as exc:
+        if exc.status in (401, 403):
+            raise UsageError(unauthorized_message(url, exc.status, endpoint.api_key)) from None
+        raise BenchmarkError(f"could not learn the model name from {url} (HTTP {exc.status}: {exc.message}); "
+                             f"pass --model NAME") from None
     except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, IndexError, TypeError) as exc:
         raise BenchmarkError(f"could not learn the model name from {url} ({type(exc).__name__}: {exc}); "
                              f"pass --model NAME") from None
+
+
+def unauthorized_message(url: str, status: int, api_key: str | None) -> str:
+    """What to do when the server refuses us: which option gives the key. Pure."""
+    if api_key:
+        return (f"{url} answered HTTP {status}: it refused the API key sent. Check that --api-key-env names the "
+                "variable holding this endpoint's key (or bench the deployment by name: its key is found for you)")
+    return (f"{url} answered HTTP {status}: the endpoint needs an API key. Pass --api-key-env NAME (an environment "
+            "variable holding the key), or bench the deployment by name instead of its URL")
 
 
 async def warm_up(endpoints: list[Endpoint], request: RequestInput, options: BenchOptions) -> None:
@@ -164,6 +178,8 @@ async def warm_up(endpoints: list[Endpoint], request: RequestInput, options: Ben
 async def _warm_up_once(session: aiohttp.ClientSession, endpoint: Endpoint, request: RequestInput,
                         ignore_eos: bool) -> None:
     output = await send_request(session, endpoint, request, ignore_eos, run_start=0.0)
+    if not output.ok and (output.error or "").startswith(("HTTP 401", "HTTP 403")):
+        raise UsageError(unauthorized_message(endpoint.base_url, int(output.error[5:8]), endpoint.api_key))
     if not output.ok:
         raise BenchmarkError(f"warm-up request to {endpoint.base_url} (model '{endpoint.model}') failed: "
                              f"{output.error}")

@@ -59,8 +59,9 @@ def single_node(cfg: DeploymentConfig) -> DeploymentConfig:
     layout = cfg.parallelism if isinstance(cfg.parallelism, Layout) else Layout()
     tensor = min(layout.tensor * layout.pipeline, slots_per_node(cfg.cluster))
     cluster = cfg.cluster.model_copy(update={"nodes": 1})
-    return cfg.model_copy(update={"name": f"{cfg.name}-validate"[:40], "cluster": cluster,
-                                  "parallelism": Layout(tensor=tensor, pipeline=1, replicas=1)})
+    serve = cfg.serve.model_copy(update={"router": False})  # the engine itself is measured, not a router
+    return cfg.model_copy(update={"name": f"{cfg.name}-validate"[:40], "cluster": cluster, "serve": serve,
+                                  "autoscale": None, "parallelism": Layout(tensor=tensor, pipeline=1, replicas=1)})
 
 
 def memory_figures(samples: dict[str, list[dict]], engine_started: float, engine_ready: float) -> MemoryFigures:
@@ -119,9 +120,9 @@ def validate(config_path: str | Path, concurrency: int = 8, num_prompts: int = 3
 
 
 def _vocab_size(cfg: DeploymentConfig) -> int:
-    from hpcserve.preflight import read_model_config, resolve_model_path
+    from hpcserve.preflight import model_config_for, resolve_model_path
 
-    model_config = read_model_config(resolve_model_path(cfg)) or {}
+    model_config = model_config_for(cfg, resolve_model_path(cfg)) or {}
     return int(model_config.get("vocab_size", 32000))
 
 

@@ -49,7 +49,10 @@ def _train_tokenizer():
 def build_tiny_model(target: Path) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as transformers_logging
 
+    # Built on first use, often inside a command whose stderr the user reads: no progress bars there.
+    transformers_logging.disable_progress_bar()
     tmp = target.with_name(target.name + ".partial")
     tokenizer = _train_tokenizer()
     # A chat template so /v1/chat/completions works like on real instruction models.

@@ -23,7 +23,8 @@ from importlib import resources
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from hpcserve.errors import UsageError
-from hpcserve.monitoring.metrics import DeploymentCollector, Gatherer
+from hpcserve.monitoring.metrics import Gatherer
+from hpcserve.monitoring.prometheus import DeploymentCollector
 from hpcserve.preflight import is_loopback
 
 

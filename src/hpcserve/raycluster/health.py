@@ -15,6 +15,7 @@ import re
 import socket
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -185,8 +186,13 @@ class CollectiveMember:
 # ------------------------------------------------------------------ the check
 
 def run_health_check(nodes: int, gpus_per_node: int, rendezvous_port: int, out_dir: Path | None = None,
-                     timeout_s: float = 120.0) -> HealthReport:
-    """Run against the Ray cluster this process is connected to; write health.json into out_dir."""
+                     timeout_s: float = 120.0, on_resources_checked: Callable[[], None] | None = None) -> HealthReport:
+    """Run against the Ray cluster this process is connected to; write health.json into out_dir.
+
+    on_resources_checked: called once the checks that take GPUs or CPUs from Ray (node probes, the
+    all-reduce, a placement group) passed, before the object transfers between nodes, which take none.
+    The driver starts the engines' load there, so it overlaps the rest of the check safely.
+    """
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -205,12 +211,6 @@ def run_health_check(nodes: int, gpus_per_node: int, rendezvous_port: int, out_d
     failures += judge_nodes(reports, gpus_per_node)
     names = {r.node_id: r.hostname for r in reports}
 
-    transfers = measure_transfers(alive, pin, names, timeout_s)
-    for t in transfers:
-        if t.seconds <= 0:
-            failures.append(Failure(t.source, f"object transfer to {t.destination} failed",
-                                    "check that the nodes reach each other on Ray's ports (firewall, wrong NIC)"))
-
     real_gpus = bool(gpus_per_node) and all(r.nvml_gpus for r in reports)
     collective = measure_collective(alive, pin, names, gpus_per_node if real_gpus else 0, rendezvous_port,
                                     out_dir, timeout_s)
@@ -219,6 +219,15 @@ def run_health_check(nodes: int, gpus_per_node: int, rendezvous_port: int, out_d
                                 "check NCCL_SOCKET_IFNAME / InfiniBand setup; rerun with NCCL_DEBUG=INFO"))
 
     pg_s, rtt_ms = measure_scheduling(alive, pin, timeout_s)
+    if on_resources_checked and not failures:
+        on_resources_checked()
+
+    transfers = measure_transfers(alive, pin, names, timeout_s)
+    for t in transfers:
+        if t.seconds <= 0:
+            failures.append(Failure(t.source, f"object transfer to {t.destination} failed",
+                                    "check that the nodes reach each other on Ray's ports (firewall, wrong NIC)"))
+
     report = HealthReport(reports, transfers, collective, pg_s, rtt_ms, failures, time.monotonic() - t_start)
     if out_dir is not None:
         (Path(out_dir) / "health.json").write_text(json.dumps(report.to_dict(), indent=2))

@@ -40,6 +40,8 @@ def own_address(head: str | None) -> str:
 
 def ray_start_argv(args: argparse.Namespace, address: str, temp_dir: Path) -> list[str]:
     ray = str(Path(sys.executable).with_name("ray"))
+    if not Path(ray).exists():  # images with /usr/bin/python3 and a pip-installed /usr/local/bin/ray
+        ray = shutil.which("ray") or ray
     argv = [ray, "start", "--block", "--disable-usage-stats", f"--node-ip-address={address}",
             f"--num-cpus={args.num_cpus}", f"--num-gpus={args.num_gpus}", f"--temp-dir={temp_dir}",
             f"--dashboard-agent-listen-port={args.agent_port}"]

@@ -40,7 +40,7 @@ def mount(*args: str) -> None:
 
 def record_pid_namespace(root: Path, name: str) -> None:
     """Write this node's PID-namespace id, so the host can find every process of the node later,
-    even after this init has died (see Sandbox.node_pids)."""
+    even after this init has died (see hosts.node_pids)."""
     marker = root / "run" / f"{name}.pidns"
     marker.write_text(os.readlink("/proc/self/ns/pid") + "\n")
 
@@ -82,6 +82,14 @@ def prepare_node(root: Path, name: str) -> None:
     mount_name_resolution(root)
     mount("-t", "tmpfs", "-o", "mode=1777", "tmpfs", "/dev/shm")  # per-node shared memory
     disable_ipv6()
+
+
+def record_daemon_pid(root: Path, name: str, pid: int) -> None:
+    """Write the daemon's PID (in this namespace), so the host can tell the daemon from the processes
+    it forks (see hosts.daemon_pid). Replaced whole, so it is never read half-written."""
+    partial = root / "run" / f"{name}.daemon.partial"
+    partial.write_text(f"{pid}\n")
+    os.replace(partial, root / "run" / f"{name}.daemon")
 
 
 def stop_daemon_and_exit(daemon: subprocess.Popen) -> None:
@@ -129,6 +137,7 @@ def main(argv: list[str] | None = None) -> None:
 
     prepare_node(args.root, args.name)
     daemon = subprocess.Popen(daemon_argv, stdin=subprocess.DEVNULL)
+    record_daemon_pid(args.root, args.name, daemon.pid)
     log(f"started {' '.join(daemon_argv)} as pid {daemon.pid}")
     # PID 1 only receives signals it has a handler for (SIGKILL from the host always works).
     signal.signal(signal.SIGTERM, lambda *_: stop_daemon_and_exit(daemon))

@@ -1,10 +1,10 @@
 """A model's shape, read from its Hugging Face config.json, and what its weights and KV cache cost in bytes.
 
 Pure functions, no torch. The byte counts follow how vLLM stores a decoder-only transformer:
-q/k/v/o projections, a gated MLP (gate, up, down) or a mixture of such experts, two norms per layer,
-input embedding and LM head (one matrix when tied). Biases are counted where the config says they exist
-(Qwen2's qkv bias); everything else that is small (rotary caches, router of an MoE) is either counted
-exactly or below 0.1%.
+q/k/v/o projections, a gated MLP (gate, up, down), Falcon's plain MLP (up, down) or a mixture of gated
+experts, two norms per layer, input embedding and LM head (one matrix when tied). Biases are counted where
+the config says they exist (Qwen2's qkv bias); everything else that is small (rotary caches, router of an
+MoE, LayerNorm biases) is either counted exactly or below 0.1%.
 """
 
 from __future__ import annotations
@@ -20,11 +20,19 @@ DTYPE_ALIASES = {"float": "float32", "half": "float16", "torch.float32": "float3
                  "torch.float16": "float16", "torch.bfloat16": "bfloat16"}
 
 # Bits a quantized linear weight takes, for methods vLLM accepts in --quantization or quantization_config.
-# Group-wise int4 (AWQ, GPTQ) also stores one fp16 scale and one 4-bit zero point per group of 128 weights:
-# 20 bits / 128 = 0.16 bits per weight on top of the 4.
 QUANT_BITS = {"awq": 4, "awq_marlin": 4, "gptq": 4, "gptq_marlin": 4, "marlin": 4,
               "bitsandbytes": 4, "fp8": 8, "compressed-tensors": 8, "fbgemm_fp8": 8, "modelopt": 8}
-GROUP_OVERHEAD_BITS = (16 + 4) / 128
+# Group-wise integer methods store, per group of `group_size` input rows and per output column, one scale in
+# the activation dtype (16 bits) and one zero point packed like the weights (`bits` bits). vLLM's
+# AWQLinearMethod.create_weights (model_executor/layers/quantization/awq.py): qweight int32
+# [in, out / (32/bits)], qzeros int32 [in / group, out / (32/bits)], scales fp16 [in / group, out]; GPTQ
+# (gptq.py) the same with qweight packed along `in`, plus g_idx int32 [in] (32 / out bits per weight: below
+# 0.01 bits). The Marlin repack (awq_marlin, gptq_marlin) keeps the sizes. AWQ/GPTQ int4, group 128:
+# 4 + 20/128 = 4.16 bits per weight. FP8 (fp8, fbgemm_fp8, compressed-tensors w8a8): one byte per weight
+# plus a per-tensor or per-channel fp32 scale (below 0.01 bits).
+GROUP_METHODS = {"awq", "awq_marlin", "gptq", "gptq_marlin", "marlin"}
+DEFAULT_GROUP_SIZE = 128
+SCALE_BITS = 16
 VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of 64 before splitting it over tensor ranks
 
 
@@ -45,11 +53,13 @@ class ModelShape:
     qkv_bias: bool = False
     quant_method: str | None = None  # from quantization_config
     quant_bits: int | None = None
+    quant_group_size: int | None = None
     num_experts: int = 0            # 0: dense MLP
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
     model_type: str = ""
+    gated_mlp: bool = True          # False: Falcon's up/down MLP (2 matrices), not gate/up/down (3)
 
     @property
     def is_moe(self) -> bool:
@@ -57,8 +67,10 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelShape:
-        """Read a config.json dict (Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE/Qwen3-MoE style)."""
+        """Read a config.json dict (Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE/Qwen3-MoE style, Falcon)."""
         config = {**config.get("text_config", {}), **config}  # multimodal wrappers keep the LM in text_config
+        if config.get("model_type") == "falcon":
+            config = _falcon_fields(config)
         missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size") if k not in config]
         if missing:
             raise ConfigError(f"model config.json lacks {', '.join(missing)}: the planner needs a decoder-only "
@@ -81,12 +93,34 @@ class ModelShape:
             qkv_bias=bool(config.get("attention_bias") or config.get("model_type") in ("qwen2", "qwen2_moe")),
             quant_method=quant.get("quant_method"),
             quant_bits=_quant_bits_from_config(quant),
+            quant_group_size=_group_size_from_config(quant),
             num_experts=num_experts,
             experts_per_token=int(config.get("num_experts_per_tok") or 0) if num_experts else 0,
             moe_intermediate_size=moe_inter,
             shared_expert_intermediate_size=int(config.get("shared_expert_intermediate_size") or 0),
             model_type=str(config.get("model_type", "")),
+            gated_mlp=config.get("model_type") != "falcon",
         )
+
+
+def _falcon_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """Falcon's config in Llama's terms. KV heads as vLLM's FalconAttention reads them: num_kv_heads with
+    new_decoder_architecture (40B, 180B), else 1 with multi_query (7B), else one per attention head. The MLP
+    is up/down of ffn_hidden_size (default 4 x hidden). Old RW configs name fields n_layer, n_head, n_head_kv;
+    the embeddings are tied unless the config says otherwise."""
+    c = {**config}
+    for old, new in (("n_layer", "num_hidden_layers"), ("n_head", "num_attention_heads"), ("n_embed", "hidden_size")):
+        c.setdefault(new, config.get(old))
+    heads = c.get("num_attention_heads")
+    if c.get("new_decoder_architecture"):
+        kv = c.get("num_kv_heads") or c.get("n_head_kv") or heads
+    else:
+        kv = 1 if c.get("multi_query", True) else heads
+    c["num_key_value_heads"] = kv
+    c["intermediate_size"] = c.get("ffn_hidden_size") or 4 * int(c.get("hidden_size") or 0)
+    c.setdefault("tie_word_embeddings", True)
+    c["attention_bias"] = bool(c.get("bias", False))
+    return {k: v for k, v in c.items() if v is not None}
 
 
 def normalize_dtype(dtype: str) -> str:
@@ -104,11 +138,18 @@ def resolve_dtype(shape: ModelShape, dtype: str = "auto") -> str:
     return normalize_dtype(dtype)
 
 
+def _group_size_from_config(quant: dict[str, Any]) -> int | None:
+    size = quant.get("group_size", quant.get("q_group_size"))
+    return int(size) if size else None
+
+
 def _quant_bits_from_config(quant: dict[str, Any]) -> int | None:
     if not quant:
         return None
     if "bits" in quant:
         return int(quant["bits"])
+    if "w_bit" in quant:  # AutoAWQ's quant_config.json name
+        return int(quant["w_bit"])
     if quant.get("load_in_4bit"):
         return 4
     if quant.get("load_in_8bit"):
@@ -133,7 +174,7 @@ def mlp_params(shape: ModelShape) -> int:
     """Gated MLP (3 matrices), or all experts + router + shared expert for MoE."""
     h = shape.hidden_size
     if not shape.is_moe:
-        return 3 * h * shape.intermediate_size
+        return (3 if shape.gated_mlp else 2) * h * shape.intermediate_size
     experts = shape.num_experts * 3 * h * shape.moe_intermediate_size
     shared = 3 * h * shape.shared_expert_intermediate_size + (h if shape.shared_expert_intermediate_size else 0)
     return experts + h * shape.num_experts + shared
@@ -162,8 +203,14 @@ def quant_bits(shape: ModelShape, quantization: str | None) -> float | None:
         return None
     if method not in QUANT_BITS:
         raise ConfigError(f"quantization {method!r} is not known to the planner; known: {', '.join(sorted(QUANT_BITS))}")
-    bits = shape.quant_bits if (shape.quant_bits and method == shape.quant_method) else QUANT_BITS[method]
-    return bits + (GROUP_OVERHEAD_BITS if bits <= 4 else 0)
+    from_checkpoint = method == shape.quant_method
+    bits = shape.quant_bits if (shape.quant_bits and from_checkpoint) else QUANT_BITS[method]
+    if method not in GROUP_METHODS:
+        return bits
+    group = (shape.quant_group_size if from_checkpoint else None) or DEFAULT_GROUP_SIZE
+    if group <= 0:  # GPTQ's group_size -1: one group per column, scales and zeros negligible
+        return bits
+    return bits + (SCALE_BITS + bits) / group
 
 
 def linear_weight_bytes(shape: ModelShape, params: int, dtype: str, quantization: str | None) -> float:

@@ -1,20 +1,21 @@
 """The parallelism planner: which tensor x pipeline x replicas layout fits a model on a cluster, and which
-serves the most tokens per second. Pure functions over a ModelShape and a ClusterSpec; docs/planner.md
-explains the memory and throughput model and the measurements behind its constants.
+serves the most tokens per second, at capacity or at the load the deployment expects. Pure functions over a
+ModelShape and a ClusterSpec; throughput.py holds the throughput model, plan_report.py what users read,
+docs/planner.md explains the memory and throughput model and the measurements behind its constants.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from hpcserve.config import ClusterSpec, DeploymentConfig, Layout, layout_problem, slots_per_node
 from hpcserve.errors import ConfigError
+from hpcserve.serving import throughput
 from hpcserve.serving.model_shape import (
-    DTYPE_BYTES, ModelShape, estimate_weights_bytes, kv_bytes_per_token, kv_bytes_per_token_per_worker,
-    padded_vocab, resolve_dtype, weights_bytes_per_worker,
+    DTYPE_BYTES, ModelShape, kv_bytes_per_token_per_worker, padded_vocab, resolve_dtype, weights_bytes_per_worker,
 )
+from hpcserve.serving.throughput import pp_efficiency
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -24,14 +25,6 @@ GIB = 2**30
 # non-torch memory (CUDA context allocations, NCCL and cuBLAS workspaces) and CUDA graphs. An estimate, not
 # measured by us: with the activation term it leaves about 2 GiB for an 8B model (see docs/planner.md).
 FIXED_RESERVE_BYTES = 1 * GIB
-# Throughput calibration (H200, vLLM 0.26, Llama-3.1-8B, 512 in / 128 out, concurrency 32): TP=1 on one GPU
-# 3707 output tok/s, TP=2 on two 4469 tok/s, so each GPU of a TP=2 replica does 4469 / (2 x 3707) = 0.60 of
-# a TP=1 GPU. Modelled as efficiency = 1 / (1 + TP_COST x log2(tp) x 4096 / hidden): all-reduce traffic per
-# token grows with hidden, compute with hidden^2, so the relative cost shrinks for wider models.
-TP_CALIBRATION_HIDDEN = 4096
-TP_COST = 1 / 0.60 - 1  # 0.667: reproduces 0.60 at tp=2, hidden=4096
-CROSS_NODE_TP_EFFICIENCY = 0.5  # a guess: all-reduce over the network instead of NVLink
-PP_BUBBLE = 0.25  # a guess, not measured: per extra stage, efficiency = 1 / (1 + 0.25 x (pp - 1))
 BLOCK_SIZE = 16  # vLLM hands out KV cache in blocks of this many tokens
 
 
@@ -50,6 +43,12 @@ class PlanSettings:
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
     enforce_eager: bool = False  # vLLM's --enforce-eager: breaks pipeline parallel on CPU (see structural_problems)
+    expected_concurrency: float | None = None  # requests in flight in all: score at this load, not at capacity
+    replica_concurrency: float | None = None   # requests in flight per replica (autoscale), if no total is given
+
+    @property
+    def under_load(self) -> bool:
+        return self.expected_concurrency is not None or self.replica_concurrency is not None
 
 
 def make_settings(**options: Any) -> PlanSettings:
@@ -73,8 +72,12 @@ class Candidate:
     tp_efficiency: float
     pp_efficiency: float
     kv_factor: float
-    score: float  # output throughput in units of one unhindered TP=1 GPU
+    score: float  # output throughput in units of one saturated TP=1 GPU (what ranks the layouts)
     problems: tuple[str, ...] = ()
+    capacity: float = 0.0  # the score at capacity (KV factor applied), whatever the load
+    in_flight_per_replica: float | None = None  # offered load per replica; None: ranked at capacity
+    batch_per_replica: float | None = None      # what a replica runs of it (at most max_num_seqs)
+    load_factor: float = 1.0                    # fraction of its peak a replica reaches at that batch
 
     @property
     def fits(self) -> bool:
@@ -92,6 +95,7 @@ class Plan:
     settings: PlanSettings  # dtype and max_model_len resolved
     ranked: tuple[Candidate, ...]  # layouts that fit, best first
     rejected: tuple[Candidate, ...] = field(default=())
+    notes: tuple[str, ...] = ()  # where the shape came from (catalogue), recommended settings
 
     @property
     def best(self) -> Candidate | None:
@@ -105,6 +109,8 @@ class Plan:
         return self.best.layout
 
     def explain(self) -> list[str]:
+        from hpcserve.serving.plan_report import explain
+
         return explain(self)
 
 
@@ -194,19 +200,22 @@ def _evaluate(shape: ModelShape, layout: Layout, cluster: ClusterSpec, s: PlanSe
     concurrency = tokens / s.max_model_len
     tp_eff, pp_eff = tp_efficiency(shape, layout, cluster), pp_efficiency(layout.pipeline)
     kv_factor = min(1.0, concurrency / s.min_concurrent_seqs) if s.min_concurrent_seqs else 1.0
-    score = 0.0 if problems else layout.replicas * layout.workers_per_replica * tp_eff * pp_eff * kv_factor
+    peak = layout.replicas * layout.workers_per_replica * tp_eff * pp_eff
+    capacity = 0.0 if problems else peak * kv_factor
+    offered = throughput.in_flight_per_replica(s.expected_concurrency, s.replica_concurrency, layout.replicas)
+    if offered is None:  # no load given: rank by capacity, as before issue 10
+        return Candidate(layout, weights, reserve, max(kv, 0), tokens, concurrency, tp_eff, pp_eff, kv_factor,
+                         capacity, tuple(problems), capacity)
+    batch = throughput.batch_in_flight(offered, s.max_num_seqs)
+    factor = throughput.load_factor(batch, layout.pipeline)
+    score = 0.0 if problems else peak * factor * kv_factor
     return Candidate(layout, weights, reserve, max(kv, 0), tokens, concurrency, tp_eff, pp_eff, kv_factor,
-                     score, tuple(problems))
+                     score, tuple(problems), capacity, offered, batch, factor)
 
 
 def tp_efficiency(shape: ModelShape, layout: Layout, cluster: ClusterSpec) -> float:
-    """Per-worker throughput of a tensor-parallel replica relative to TP=1 (calibration: see TP_COST)."""
-    eff = 1 / (1 + TP_COST * math.log2(layout.tensor) * TP_CALIBRATION_HIDDEN / shape.hidden_size)
-    return eff * (CROSS_NODE_TP_EFFICIENCY if layout.tensor > slots_per_node(cluster) else 1.0)
-
-
-def pp_efficiency(pipeline: int) -> float:
-    return 1 / (1 + PP_BUBBLE * (pipeline - 1))
+    """Per-worker throughput of a tensor-parallel replica relative to TP=1 (calibration: throughput.TP_COST)."""
+    return throughput.tp_efficiency(layout.tensor, shape.hidden_size, layout.tensor > slots_per_node(cluster))
 
 
 def check_layout(shape: ModelShape, layout: Layout, cluster: ClusterSpec, *, dtype: str = "auto",
@@ -247,12 +256,17 @@ def _powers_of_two(limit: int) -> list[int]:
 
 def plan(shape: ModelShape, cluster: ClusterSpec, *, dtype: str = "auto", max_model_len: int | None = None,
          gpu_memory_utilization: float = 0.9, **options: Any) -> Plan:
-    """Evaluate every candidate layout; rank those that fit by score (ties: more KV tokens, fewer workers)."""
+    """Evaluate every candidate layout; rank those that fit by score: at capacity, or at the offered load
+    with `expected_concurrency` (in all) or `replica_concurrency` (per replica). See throughput.py."""
     s = resolve_settings(shape, make_settings(dtype=dtype, max_model_len=max_model_len,
                                               gpu_memory_utilization=gpu_memory_utilization, **options))
+    if s.expected_concurrency is not None and s.expected_concurrency <= 0:
+        raise ConfigError(f"expected concurrency {s.expected_concurrency:g} must be above 0 (requests in flight)")
     evaluated = [_evaluate(shape, layout, cluster, s) for layout in candidate_layouts(shape, cluster, s)]
-    ranked = sorted((c for c in evaluated if c.fits),
-                    key=lambda c: (-c.score, -c.kv_tokens_per_replica, c.layout.workers_per_replica))
+    # Ties (equal score under load when every layout is starved, or at capacity): more capacity, more KV
+    # tokens, fewer workers per replica.
+    ranked = sorted((c for c in evaluated if c.fits), key=lambda c: (
+        -round(c.score, 9), -round(c.capacity, 9), -c.kv_tokens_per_replica, c.layout.workers_per_replica))
     return Plan(shape, cluster, s, tuple(ranked), tuple(c for c in evaluated if not c.fits))
 
 
@@ -274,18 +288,46 @@ def config_options(cfg: DeploymentConfig) -> dict[str, Any]:
     space = cfg.engine.env.get("VLLM_CPU_KVCACHE_SPACE")
     if space is not None:
         options["kv_cache_bytes_per_worker"] = int(float(space) * GIB)
+    options.update(load_options(cfg, options.get("max_num_seqs", PlanSettings.max_num_seqs)))
     return options
 
 
-def plan_for_config(cfg: DeploymentConfig, model_config: dict[str, Any]) -> Plan:
-    """The plan for a deployment file (settings: see config_options)."""
-    return plan(ModelShape.from_config(model_config), cfg.cluster, **config_options(cfg))
+def load_options(cfg: DeploymentConfig, max_num_seqs: int) -> dict[str, float]:
+    """The load to score at: serve.expected_concurrency (requests in flight in all, spread over the
+    replicas), else with autoscale each replica's own load: the autoscaler adds a replica only when requests
+    wait, and vLLM makes requests wait only when its batch is full, so a replica runs a full batch
+    (max_num_seqs; fewer if the KV cache is full) with autoscale.target_queue waiting. Neither: {} (capacity)."""
+    if cfg.serve.expected_concurrency is not None:
+        return {"expected_concurrency": float(cfg.serve.expected_concurrency)}
+    if cfg.autoscale is not None:
+        return {"replica_concurrency": float(max_num_seqs + cfg.autoscale.target_queue)}
+    return {}
 
 
-def check_config_layout(cfg: DeploymentConfig, model_config: dict[str, Any], layout: Layout) -> list[str]:
+def config_shape(cfg: DeploymentConfig, model_config: dict[str, Any] | None) -> ModelShape:
+    """The model's shape for a deployment: its config.json, else the catalogue entry model.catalog names
+    (checked against each other when both exist)."""
+    from hpcserve.serving.catalog import resolve_config
+
+    resolved = resolve_config(cfg.model.catalog, model_config, cfg.model.quantization)
+    if resolved is None:
+        raise ConfigError(f"'model.path' = {cfg.model.path!r}: the planner needs the model's config.json; give a "
+                          "local model folder, or name the model in 'model.catalog' (`hpcserve plan --list-models`)")
+    return ModelShape.from_config(resolved)
+
+
+def plan_for_config(cfg: DeploymentConfig, model_config: dict[str, Any] | None) -> Plan:
+    """The plan for a deployment file (settings: see config_options; shape: see config_shape)."""
+    from hpcserve.serving.plan_report import catalog_notes
+
+    result = plan(config_shape(cfg, model_config), cfg.cluster, **config_options(cfg))
+    return replace(result, notes=tuple(catalog_notes(cfg, model_config)))
+
+
+def check_config_layout(cfg: DeploymentConfig, model_config: dict[str, Any] | None, layout: Layout) -> list[str]:
     """Why the deployment's own layout cannot serve its model, before anything is submitted. A layout the
     user wrote down may put tensor parallel across nodes: that is asking for it."""
-    return check_layout(ModelShape.from_config(model_config), layout, cfg.cluster, **config_options(cfg),
+    return check_layout(config_shape(cfg, model_config), layout, cfg.cluster, **config_options(cfg),
                         allow_cross_node_tensor=True)
 
 
@@ -300,68 +342,9 @@ def engine_arg(args: list[str], flag: str) -> str | None:
     return value
 
 
-# ---------------------------------------------------------------- presentation
-
-def size(n: float) -> str:
-    return f"{n / GIB:.1f} GiB" if n >= GIB / 10 or n == 0 else f"{n / 2**20:.1f} MiB"
-
-
-def describe(layout: Layout) -> str:
-    return f"tensor {layout.tensor} x pipeline {layout.pipeline} x replicas {layout.replicas}"
-
-
-def explain(p: Plan) -> list[str]:
-    s, unit = p.settings, ("GPU" if p.cluster.gpus_per_node else "CPU worker")
-    total = estimate_weights_bytes(p.shape, s.dtype, s.quantization)
-    lines = [f"Model: {size(total)} of weights in {s.dtype}{' (' + s.quantization + ')' if s.quantization else ''}, "
-             f"{kv_bytes_per_token(p.shape, s.dtype, s.kv_cache_dtype) / 1024:.0f} KiB of KV cache per token; "
-             f"max_model_len {s.max_model_len:,}"]
-    best = p.best
-    if best is None:
-        return lines + ["No layout fits:"] + [f"  {describe(c.layout)}: {'; '.join(c.problems)}" for c in p.rejected]
-    lay = best.layout
-    lines += [
-        f"Best: {describe(lay)} ({lay.workers_per_replica * lay.replicas} {unit}s), score {best.score:.2f}",
-        f"Weights: {size(best.weights_bytes_per_worker)} per {unit}; reserve for activations and runtime "
-        f"{size(best.reserve_bytes_per_worker)}; KV cache {size(best.kv_bytes_per_worker)} per {unit}",
-        f"KV cache: {best.kv_tokens_per_replica:,} tokens per replica, {best.kv_tokens_per_replica * lay.replicas:,} in all",
-        f"Concurrent sequences at max_model_len {s.max_model_len:,}: {best.max_concurrency:.1f} per replica, "
-        f"{best.max_concurrency * lay.replicas:.1f} in all",
-    ]
-    if len(p.ranked) > 1:
-        lines.append(why_better(best, p.ranked[1], s))
-    if not p.cluster.gpus_per_node:
-        lines.append("CPU: KV cache is VLLM_CPU_KVCACHE_SPACE per worker; host memory for weights is not checked")
-    return lines
-
-
-def why_better(best: Candidate, other: Candidate, s: PlanSettings) -> str:
-    reasons = []
-    if other.tp_efficiency < best.tp_efficiency:
-        reasons.append(f"its tensor {other.layout.tensor} runs each worker at {other.tp_efficiency:.2f} of TP=1 "
-                       f"(communication) against {best.tp_efficiency:.2f}")
-    if other.pp_efficiency < best.pp_efficiency:
-        reasons.append(f"its pipeline {other.layout.pipeline} loses {1 - other.pp_efficiency:.0%} to bubbles")
-    if other.kv_factor < best.kv_factor:
-        reasons.append(f"its KV cache holds only {other.max_concurrency:.1f} sequences of max_model_len per replica "
-                       f"(fewer than {s.min_concurrent_seqs:g} caps batching)")
-    if not reasons:
-        reasons.append("it uses fewer workers in all" if other.score < best.score else "it ties and holds fewer KV tokens")
-    return (f"Runner-up: {describe(other.layout)}, score {other.score:.2f}: " + "; ".join(reasons))
-
+# ---------------------------------------------------------------- presentation (plan_report.py)
 
 def render_plan_table(p: Plan) -> Table:
-    """A rich Table of every candidate, best first, rejected last with the reason."""
-    from rich.table import Table
+    from hpcserve.serving.plan_report import render_plan_table as render
 
-    table = Table(title=f"Layouts at max_model_len {p.settings.max_model_len:,} ({p.settings.dtype})")
-    for column in ("#", "tensor", "pipeline", "replicas", "weights/worker", "KV/worker", "KV tokens/replica",
-                   "seqs@max_len", "score", "note"):
-        table.add_column(column, justify="left" if column == "note" else "right")
-    for rank, c in enumerate(p.ranked + p.rejected, start=1):
-        note = "; ".join(c.problems) if c.problems else ("best" if rank == 1 else "")
-        table.add_row(str(rank) if c.fits else "-", str(c.layout.tensor), str(c.layout.pipeline), str(c.layout.replicas),
-                      size(c.weights_bytes_per_worker), size(c.kv_bytes_per_worker),
-                      f"{c.kv_tokens_per_replica:,}", f"{c.max_concurrency:.1f}", f"{c.score:.2f}", note,
-                      style="dim" if c.problems else None)
-    return table
+    return render(p)

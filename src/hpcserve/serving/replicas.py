@@ -104,6 +104,9 @@ class ReplicaSet:
             actor = ray.remote(EngineHost).options(
                 num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
+                # Ray starts workers at nice 15, which a user cannot undo for the engine later; as
+                # Ray's own job supervisor does, ask for the job's niceness (engine/host.py says why).
+                runtime_env={"env_vars": {"RAY_worker_niceness": "0"}},
             ).remote()
             hosts.append(actor)
         where = ray.get([h.where.remote() for h in hosts])

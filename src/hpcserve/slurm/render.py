@@ -1,8 +1,10 @@
 """The sbatch script of a deployment, rendered from templates/job.sh.j2.
 
 Data (paths, names, Slurm values) is shell-quoted; cluster.setup and cluster.sbatch_extra are
-the user's own shell lines and #SBATCH options and go in verbatim. Nothing time- or
-machine-dependent goes in, so the same inputs give the same script (reference files in tests).
+the user's own shell lines and #SBATCH options and go in verbatim. The site profile (site:, see
+hpcserve.site) decides what surrounds the driver and each node's Ray (a container, srun options) and
+whether GPUs are requested through GRES. Nothing time- or machine-dependent goes in, so the same
+inputs give the same script (reference files in tests).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import jinja2
 
 from hpcserve.config import DeploymentConfig
 from hpcserve.errors import ConfigError
+from hpcserve.site.profiles import STEP_ENV, profile_for, shell_words
 
 TEMPLATE = "job.sh.j2"
 CONFIG_MARKER = "HPCSERVE_CONFIG"  # ends the config heredoc; must not be a line of the config
@@ -41,6 +44,7 @@ def render_batch_script(cfg: DeploymentConfig, config_yaml: str, python: str, re
 def template_values(cfg: DeploymentConfig, config_yaml: str, python: str, results_dir: Path) -> dict[str, object]:
     cluster = cfg.cluster
     logs_dir = checked_results_dir(results_dir) / "logs"
+    site = profile_for(cfg, results_dir)
     return {
         "name": cfg.name,  # the schema allows [a-z0-9-] only
         "nodes": cluster.nodes,
@@ -56,7 +60,13 @@ def template_values(cfg: DeploymentConfig, config_yaml: str, python: str, result
         "logs_dir": shlex.quote(str(logs_dir)),
         "marker": CONFIG_MARKER,
         "config_yaml": heredoc_body(config_yaml),
-        "python": shlex.quote(python),
+        "python": shlex.quote(site.python or python),
+        "gres": cfg.site.gres,
+        "exclusive": site.exclusive,
+        "runtime": site.runtime,
+        "step_env_name": STEP_ENV,
+        "step_env": "" if site.step.is_plain else shlex.quote(site.step.to_env()),
+        "driver_prefix": shell_words(site.driver) + " " if site.driver else "",
     }
 
 

@@ -1,0 +1,3 @@
+from hpcserve.doctor.cli import main
+
+main()

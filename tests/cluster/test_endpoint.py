@@ -1,0 +1,175 @@
+"""One endpoint over many replicas on the sandbox (real Slurm, Ray and vLLM on CPU), issue 11:
+
+- self-healing: a node that hosts a replica is killed, then an engine is killed (kill -9), while
+  `hpcserve bench` runs through the router: no request that could be retried fails, the dead replica
+  leaves the pool within 5 s, a replacement job joins after its first completion;
+- scale with load: the queue rises above target, a Slurm job with one more replica joins; idle, it is
+  drained and cancelled; `status` shows every decision with its reason;
+- walltime: a job with a short time limit gets its successor before the limit, under constant load,
+  and no request fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from helpers import HPCSERVE, run_cli, write_config
+from test_distributed_serving import deployed, status_of
+from test_slurm_ray import assert_nodes_clean
+
+pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
+HERE = Path(__file__).parent
+BENCH = ["--input-len", "16", "--output-len", "16"]
+
+
+@pytest.fixture()
+def slurm_env(sandbox, hpcserve_home, monkeypatch):
+    for key, value in sandbox.env().items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("HPCSERVE_API_KEY", "test-key-" + os.urandom(6).hex())
+    yield sandbox
+    for node in sandbox.node_names():  # a test that killed a node brings it back
+        if not sandbox.init_pid(node):
+            sandbox.start_node(node)
+    assert_nodes_clean(sandbox)
+
+
+def start_bench(name: str, out: Path, *load: str) -> subprocess.Popen:
+    return subprocess.Popen([*HPCSERVE, "bench", name, *BENCH, *load, "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish_bench(bench: subprocess.Popen, out: Path, timeout: float = 600) -> list[dict]:
+    output, _ = bench.communicate(timeout=timeout)
+    assert bench.returncode == 0, output
+    return [r for run in json.loads(out.read_text())["runs"] for r in run["requests"]]
+
+
+def retryable_failures(requests: list[dict]) -> list[dict]:
+    """Failed before any token came back: the router could have sent them elsewhere."""
+    return [r for r in requests if not r["ok"] and not r["output_tokens"] and r["ttft_s"] is None]
+
+
+def errors(requests: list[dict]) -> list[str]:
+    return [f"{r['start_s']:.1f}s {r['error']}" for r in requests][:8]
+
+
+def decisions(name: str) -> list[dict]:
+    return status_of(name)["decisions"]
+
+
+def wait_decision(name: str, action: str, since: float, timeout: float, text: str = "") -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = [d for d in decisions(name) if d["action"] == action and d["time"] >= since and text in d["reason"]]
+        if found:
+            return found[0]
+        time.sleep(0.5)
+    raise AssertionError(f"no '{action}' decision ({text!r}) within {timeout} s: {decisions(name)}")
+
+
+def serving_members(name: str) -> list[dict]:
+    return [m for m in status_of(name)["members"] if m["status"] == "serving"]
+
+
+def member_node(member: dict) -> str:
+    state = json.loads((Path(member["run_dir"]) / "state.json").read_text())
+    return state["replicas"][0]["nodes"][0], state["replicas"][0]["processes"][0]["pid"]
+
+
+def test_endpoint_heals_after_node_loss_and_engine_crash(slurm_env, tmp_path):
+    sandbox = slurm_env
+    config = write_config(tmp_path / "heal.yaml", HERE / "sandbox-replicas.yaml", name="sb-heal",
+                          results_dir=str(tmp_path / "results"), serve={"port": 8400})
+    with deployed(config, "sb-heal") as status:
+        assert status["status"] == "ready" and status["endpoint"]
+        assert len(serving_members("sb-heal")) == 2
+        bench = start_bench("sb-heal", tmp_path / "node.json", "--request-rate", "3", "--num-prompts", "150")
+        time.sleep(8)
+        victim = serving_members("sb-heal")[0]
+        node, _ = member_node(victim)
+        killed = time.time()
+        sandbox.kill_node(node)
+        left = wait_decision("sb-heal", "leave", killed, timeout=30, text=victim["backends"][0])
+        assert left["time"] - killed <= 5.0, left
+        requests = finish_bench(bench, tmp_path / "node.json")
+        assert len(requests) == 150 and not retryable_failures(requests), errors(retryable_failures(requests))
+        joined = wait_decision("sb-heal", "join", killed, timeout=400)
+        assert any(m["role"] == "replacement" and m["name"] in joined["reason"] for m in status_of("sb-heal")["members"])
+        sandbox.start_node(node)
+
+        # An engine crash: kill -9 of one replica's vLLM process, inside its node.
+        victim = serving_members("sb-heal")[0]
+        node, pid = member_node(victim)
+        bench = start_bench("sb-heal", tmp_path / "crash.json", "--request-rate", "3", "--num-prompts", "90")
+        time.sleep(5)
+        crashed = time.time()
+        subprocess.run([*sandbox.node_exec_argv(node), "kill", "-9", str(pid)], check=True, timeout=10)
+        left = wait_decision("sb-heal", "leave", crashed, timeout=30, text=victim["backends"][0])
+        assert left["time"] - crashed <= 5.0, left
+        requests = finish_bench(bench, tmp_path / "crash.json")
+        assert not retryable_failures(requests), errors(retryable_failures(requests))
+        wait_decision("sb-heal", "join", crashed, timeout=400)
+        assert len(serving_members("sb-heal")) == 2
+        table = run_cli("status", "sb-heal").stdout
+        assert "leave" in table and "launch replacement" in table
+
+
+def test_endpoint_scales_with_the_queue_and_drains_when_idle(slurm_env, tmp_path):
+    config = write_config(tmp_path / "scale.yaml", HERE / "sandbox-replicas.yaml", name="sb-scale",
+                          results_dir=str(tmp_path / "results"), serve={"port": 8500},
+                          parallelism={"tensor": 1, "pipeline": 1, "replicas": 1},
+                          engine={"executor": "mp", "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
+                                  "args": ["--max-num-seqs", "2"]},
+                          autoscale={"min": 1, "max": 2, "target_queue": 2, "scale_up_after_s": 5,
+                                     "scale_down_after_s": 15})
+    with deployed(config, "sb-scale"):
+        started = time.time()
+        bench = start_bench("sb-scale", tmp_path / "ramp.json", "--concurrency", "12", "--num-prompts", "400",
+                            "--output-len", "32")
+        up = wait_decision("sb-scale", "launch scale-up", started, timeout=120)
+        assert "waiting per replica" in " ".join(d["reason"] for d in decisions("sb-scale") if d["time"] <= up["time"] + 1)
+        wait_decision("sb-scale", "join", up["time"], timeout=400)
+        assert len(serving_members("sb-scale")) == 2
+        requests = finish_bench(bench, tmp_path / "ramp.json")
+        assert all(r["ok"] for r in requests), [r["error"] for r in requests if not r["ok"]][:3]
+        idle = time.time()
+        drained = wait_decision("sb-scale", "leave", idle, timeout=120, text="drained")
+        assert "idle" in drained["reason"]
+        deadline = time.monotonic() + 120
+        while len([m for m in status_of("sb-scale")["members"] if m["status"] != "gone"]) > 1:
+            assert time.monotonic() < deadline, status_of("sb-scale")["members"]
+            time.sleep(1)
+        assert status_of("sb-scale")["status"] == "ready"
+
+
+def test_endpoint_outlives_the_job_time_limit(slurm_env, tmp_path):
+    config = write_config(tmp_path / "wall.yaml", HERE / "sandbox-replicas.yaml", name="sb-wall",
+                          results_dir=str(tmp_path / "results"), serve={"port": 8600, "handover_s": 220},
+                          parallelism={"tensor": 1, "pipeline": 1, "replicas": 1},
+                          cluster={"scheduler": "slurm", "nodes": 1, "gpus_per_node": 0, "cpus_per_node": 1,
+                                   "time": "4", "sbatch_extra": ["--exclusive"]})
+    with deployed(config, "sb-wall"):
+        first = serving_members("sb-wall")[0]
+        started = time.time()
+        bench = start_bench("sb-wall", tmp_path / "wall.json", "--request-rate", "2", "--num-prompts", "500")
+        handed = wait_decision("sb-wall", "hand over", started - 300, timeout=200)
+        assert first["name"] in handed["reason"]
+        wait_decision("sb-wall", "leave", started - 300, timeout=400, text="handed over")
+        requests = finish_bench(bench, tmp_path / "wall.json", timeout=900)
+        assert len(requests) == 500 and all(r["ok"] for r in requests), \
+            [r["error"] for r in requests if not r["ok"]][:3]
+        members = {m["name"]: m for m in status_of("sb-wall")["members"]}
+        assert members[first["name"]]["status"] == "gone"
+        assert [m for m in members.values() if m["role"] == "successor" and m["status"] == "serving"]
+        reply = httpx.post(f"{status_of('sb-wall')['endpoint']}/v1/completions", timeout=60,
+                           headers={"Authorization": f"Bearer {os.environ['HPCSERVE_API_KEY']}"},
+                           json={"model": "tiny", "prompt": "hello", "max_tokens": 4})
+        assert reply.status_code == 200

@@ -1,0 +1,59 @@
+"""Pure pieces of the run folder: where a deployment's API key is found, and where `up`'s time went."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpcserve.benchmark.runner import unauthorized_message
+from hpcserve.errors import UsageError
+from hpcserve.state import API_KEY_FILE, API_KEY_SOURCE_FILE, key_variable, read_api_key
+from hpcserve.timeline import breakdown_line, stage_breakdown
+
+
+def test_generated_key_comes_from_its_file(tmp_path):
+    (tmp_path / API_KEY_FILE).write_text("generated-key\n")
+    (tmp_path / API_KEY_SOURCE_FILE).write_text(f"{tmp_path / API_KEY_FILE}\n")
+    assert read_api_key(tmp_path, environ={}) == "generated-key"
+
+
+def test_key_from_the_variable_up_used(tmp_path):
+    (tmp_path / API_KEY_SOURCE_FILE).write_text("$MY_KEY\n")
+    assert key_variable(tmp_path) == "MY_KEY"
+    assert read_api_key(tmp_path, environ={"MY_KEY": "from-env"}) == "from-env"
+
+
+def test_unset_variable_says_which_to_export(tmp_path):
+    (tmp_path / API_KEY_SOURCE_FILE).write_text("$MY_KEY\n")
+    with pytest.raises(UsageError, match=r"\$MY_KEY .*export MY_KEY"):
+        read_api_key(tmp_path, environ={})
+
+
+def test_no_key_configured(tmp_path):
+    (tmp_path / API_KEY_SOURCE_FILE).write_text("none\n")
+    assert read_api_key(tmp_path, environ={}) is None
+    assert read_api_key(tmp_path / "missing", environ={}) is None
+
+
+def test_unauthorized_message_names_the_option():
+    assert "--api-key-env NAME" in unauthorized_message("http://h:1/v1/models", 401, None)
+    assert "refused the API key" in unauthorized_message("http://h:1", 403, "k")
+
+
+def test_stage_breakdown_with_queue_and_overlap():
+    timeline = [{"stage": "ray", "event": "started", "time": 105.0}, {"stage": "ray", "event": "done", "time": 113.0},
+                {"stage": "health", "event": "started", "time": 113.0},
+                {"stage": "engine", "event": "started", "time": 114.0},
+                {"stage": "health", "event": "done", "time": 116.0},
+                {"stage": "engine", "event": "done", "time": 180.0}, {"stage": "ready", "event": "started", "time": 180.0}]
+    stages = stage_breakdown(timeline, submitted=100.0, job_started=104.0)
+    assert stages["queue"] == {"start_s": 0.0, "seconds": 4.0}
+    assert stages["engine"] == {"start_s": 14.0, "seconds": 66.0}
+    assert stages["health"]["seconds"] == 3.0
+    line = breakdown_line(stages)
+    assert line.startswith("queue 4.0 s") and "engine 66.0 s (from +14.0 s)" in line and line.endswith("ready at +80.0 s")
+
+
+def test_a_running_stage_has_no_duration_yet():
+    stages = stage_breakdown([{"stage": "engine", "event": "started", "time": 3.0}], submitted=0.0)
+    assert stages == {"engine": {"start_s": 3.0, "seconds": None}}
+    assert breakdown_line(stages) == "engine running (from +3.0 s)"
