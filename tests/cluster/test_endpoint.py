@@ -145,10 +145,12 @@ def test_endpoint_scales_with_the_queue_and_drains_when_idle(slurm_env, tmp_path
                                      "scale_down_after_s": 15})
     with deployed(config, "sb-scale"):
         started = time.time()
-        bench = start_bench("sb-scale", tmp_path / "ramp.json", "--concurrency", "12", "--num-prompts", "400",
+        # Long enough (about 3 minutes) for the added replica to load (about 2 minutes here) and serve.
+        bench = start_bench("sb-scale", tmp_path / "ramp.json", "--concurrency", "12", "--num-prompts", "1200",
                             "--output-len", "32")
-        up = wait_decision("sb-scale", "launch scale-up", started, timeout=120)
-        assert "waiting per replica" in " ".join(d["reason"] for d in decisions("sb-scale") if d["time"] <= up["time"] + 1)
+        up = wait_decision("sb-scale", "scale up", started, timeout=120)
+        assert "waiting per replica" in up["reason"]
+        assert "launch scale-up" in [d["action"] for d in decisions("sb-scale")]
         wait_decision("sb-scale", "join", up["time"], timeout=400)
         assert len(serving_members("sb-scale")) == 2
         requests = finish_bench(bench, tmp_path / "ramp.json")
@@ -165,19 +167,20 @@ def test_endpoint_scales_with_the_queue_and_drains_when_idle(slurm_env, tmp_path
 
 def test_endpoint_outlives_the_job_time_limit(slurm_env, tmp_path):
     config = write_config(tmp_path / "wall.yaml", HERE / "sandbox-replicas.yaml", name="sb-wall",
-                          results_dir=str(tmp_path / "results"), serve={"port": 8600, "handover_s": 220},
+                          results_dir=str(tmp_path / "results"), serve={"port": 8600, "handover_s": 300},
                           parallelism={"tensor": 1, "pipeline": 1, "replicas": 1},
                           cluster={"scheduler": "slurm", "nodes": 1, "gpus_per_node": 0, "cpus_per_node": 1,
-                                   "time": "4", "sbatch_extra": ["--exclusive"]})
+                                   "time": "7", "sbatch_extra": ["--exclusive"]})
     with deployed(config, "sb-wall"):
         first = serving_members("sb-wall")[0]
         started = time.time()
-        bench = start_bench("sb-wall", tmp_path / "wall.json", "--request-rate", "2", "--num-prompts", "500")
-        handed = wait_decision("sb-wall", "hand over", started - 300, timeout=200)
+        # A 7-minute job, its successor 300 s ahead: here a replica loads in 1.5-3.5 minutes under load.
+        bench = start_bench("sb-wall", tmp_path / "wall.json", "--request-rate", "1", "--num-prompts", "420")
+        handed = wait_decision("sb-wall", "hand over", started - 300, timeout=300)
         assert first["name"] in handed["reason"]
-        wait_decision("sb-wall", "leave", started - 300, timeout=400, text="handed over")
+        wait_decision("sb-wall", "leave", started - 300, timeout=500, text="handed over")
         requests = finish_bench(bench, tmp_path / "wall.json", timeout=900)
-        assert len(requests) == 500 and all(r["ok"] for r in requests), \
+        assert len(requests) == 420 and all(r["ok"] for r in requests), \
             [r["error"] for r in requests if not r["ok"]][:3]
         members = {m["name"]: m for m in status_of("sb-wall")["members"]}
         assert members[first["name"]]["status"] == "gone"

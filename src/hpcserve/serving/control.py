@@ -9,6 +9,7 @@ themselves are pure functions in serving/decisions.py; the process around this i
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from datetime import datetime
@@ -17,6 +18,7 @@ from pathlib import Path
 import httpx
 
 from hpcserve.config import DeploymentConfig, Layout
+from hpcserve.driver import Stop
 from hpcserve.serving.decisions import (LoadSample, ProbeResult, decide_scale, handover_due, handover_lead_s,
                                         should_leave, update_idle_since)
 from hpcserve.serving.members import Member, free_slot, member_config, replica_urls, single_replica
@@ -49,6 +51,7 @@ class Endpoint:
         self.ready = False
         self.loads: dict[str, EngineLoad] = {}  # each backend's last /metrics figures
         self.paused: set[str] = set()  # in the pool, but out of the router's rotation for now (balance)
+        self.stop_requested: str | None = None  # a signal's name; the loop stops between steps, never in one
 
     # ------------------------------------------------------------ members
     def launch(self, role: str, layout: Layout, replaces: str | None = None) -> Member:
@@ -131,6 +134,8 @@ class Endpoint:
         if self.ready:
             steps += [self.scale, self.hand_over, self.keep_count]
         for step in steps:
+            if self.stop_requested:
+                raise Stop(self.stop_requested)
             try:
                 step()
             except MemberFailed:
@@ -138,6 +143,11 @@ class Endpoint:
             except Exception as exc:  # noqa: BLE001 - see the docstring
                 self.decide("error", f"{step.__name__}: {type(exc).__name__}: {exc}"[:400])
         self.save()
+
+    def request_stop(self, signum: int, _frame) -> None:
+        """Signal handler: note it; the loop stops at the next step (no exception in the middle of one)."""
+        self.stop_requested = signal.Signals(signum).name
+        print(f"[endpoint] stop requested ({self.stop_requested}) by signal", flush=True)
 
     def keep_router_up(self) -> None:
         if not self.router.alive():  # the data plane died: same port, same pool, at once
@@ -245,9 +255,11 @@ class Endpoint:
         starting = sum(1 for m in self.members if m.status == "launching")
         decision = decide_scale(spec, self.history, len(self.pool()), starting, self.idle_since, time.time())
         if decision.action == "up":
+            self.decide("scale up", decision.reason)
             self.launch("scale-up", single_replica(self.base_layout()))
             self.history.clear()  # judge the next step on the load the new replica sees
         elif decision.action == "down" and decision.backend:
+            self.decide("scale down", decision.reason)
             self.drain(decision.backend, f"drained: {decision.reason}")
 
     def drain(self, url: str, why: str) -> None:
@@ -282,6 +294,8 @@ class Endpoint:
                 if successor.status == "serving":
                     for url in list(member.backends):
                         self.drain(url, f"handed over to {successor.name}")
+                elif successor.status in ("stopping", "gone", "failed"):
+                    member.successor = None  # that one never served: start another next round
                 continue
             lead = handover_lead_s(member.ready_s, self.cfg.serve.handover_s)
             if handover_due(member.end_time, datetime.now(), lead):

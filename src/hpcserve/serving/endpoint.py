@@ -20,7 +20,7 @@ import traceback
 from pathlib import Path
 
 from hpcserve.config import DeploymentConfig, Layout, load_config
-from hpcserve.driver import Stop, install_stop_handlers
+from hpcserve.driver import Stop
 from hpcserve.runner import stop
 from hpcserve.serving.control import TICK_S, Endpoint, MemberFailed
 from hpcserve.serving.members import Member, single_replica
@@ -87,7 +87,8 @@ def run(run_dir: Path) -> int:
                     model=cfg.model.name)
     endpoint = Endpoint(cfg, run_dir, router, api_key)
     try:
-        install_stop_handlers()
+        signal.signal(signal.SIGTERM, endpoint.request_stop)
+        signal.signal(signal.SIGINT, endpoint.request_stop)
         router.start([])
         serve(endpoint)
         return 0
