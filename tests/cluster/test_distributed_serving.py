@@ -82,7 +82,7 @@ def test_tensor_parallel_across_two_nodes_matches_tp1(slurm_env, tmp_path):
         assert [p["rank"] for p in replica["processes"]] == [0, 1]
         GREEDY["tp2"] = greedy_ids(replica["url"], os.environ["HPCSERVE_API_KEY"])
         assert GREEDY["tp2"] == transformers_greedy()
-        check_ray_refuses_strangers(Path(status["run_dir"]))
+        check_ray_refuses_strangers(Path(status["members"][0]["run_dir"]))  # the replica's own job
 
 
 def test_pipeline_parallel_across_two_nodes_matches_tp1(slurm_env, tmp_path):
@@ -132,8 +132,9 @@ def test_two_replicas_on_two_nodes_both_answer(slurm_env, tmp_path):
         unset = run_cli("bench", "sb-reps", "--num-prompts", "1", env={"HPCSERVE_API_KEY": ""})
         assert unset.returncode == 2 and "export HPCSERVE_API_KEY" in unset.stderr, unset.stderr
         assert "Traceback" not in unset.stderr
-        monitor = Path(status["run_dir"]) / "monitor"  # a sampler on every node, one line a second
-        for node in ("hsn1", "hsn2"):
+        # A sampler on every node of every member (one job per replica), one line a second.
+        monitors = {r["nodes"][0]: Path(m["run_dir"]) / "monitor" for r, m in zip(replicas, status["members"])}
+        for node, monitor in monitors.items():
             samples = [json.loads(line) for line in (monitor / f"{node}.jsonl").read_text().splitlines()]
             assert len(samples) >= 3 and samples[-1]["host"] == node
             assert max(s["engine_rss_mb"] for s in samples) > 100  # the vLLM process on that node

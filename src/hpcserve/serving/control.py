@@ -325,13 +325,21 @@ class Endpoint:
         self.forwarded = len(events)
 
     def save(self) -> None:
-        pool = set(self.pool())
-        replicas = [{"index": i, "url": url, "model": self.cfg.model.name, "member": m.name,
-                     "nodes": (m.state().get("replicas") or [{}])[0].get("nodes", []),
-                     "healthy": url in pool} for i, (m, url) in enumerate((m, u) for m in self.members for u in m.backends)]
-        self.progress.update(replicas=replicas, paused=sorted(self.paused),
+        self.progress.update(replicas=self.replicas(), paused=sorted(self.paused),
                              endpoint={"url": self.router.url, "pid": self.router.pid},
                              members=[m.to_json() for m in self.members], decisions=self.decisions[-20:])
+
+
+    def replicas(self) -> list[dict]:
+        """Every replica behind the router, as its member's driver describes it (nodes, processes, logs),
+        numbered across the endpoint and named by member."""
+        pool, out = set(self.pool()), []
+        for member in self.members:
+            described = {r["url"]: r for r in member.state().get("replicas") or []}
+            for url in member.backends:
+                out.append({**described.get(url, {}), "index": len(out), "url": url, "member": member.name,
+                            "model": self.cfg.model.name, "healthy": url in pool})
+        return out
 
 
 class MemberFailed(Exception):

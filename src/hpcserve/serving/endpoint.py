@@ -26,7 +26,6 @@ from hpcserve.serving.control import TICK_S, Endpoint, MemberFailed
 from hpcserve.serving.members import Member, single_replica
 from hpcserve.serving.readiness import READY_PROMPT, completion_probe
 from hpcserve.state import read_api_key
-from hpcserve.timeline import Progress
 
 
 # ---------------------------------------------------------------- the process
@@ -80,12 +79,12 @@ def run(run_dir: Path) -> int:
     from hpcserve.serving.router import Router
 
     cfg = load_config(run_dir / "config.yaml")
-    progress = Progress(run_dir)
-    progress.update(driver_pid=os.getpid(), status="starting", job_started=time.time())
     api_key = os.environ.get(cfg.serve.api_key_env or "", "") or read_api_key(run_dir)
     router = Router(cfg.serve.host, cfg.serve.port, key_file(run_dir, api_key), run_dir / "router.log",
                     model=cfg.model.name)
     endpoint = Endpoint(cfg, run_dir, router, api_key)
+    progress = endpoint.progress  # the one writer of state.json and timeline.json
+    progress.update(driver_pid=os.getpid(), status="starting", job_started=time.time())
     try:
         signal.signal(signal.SIGTERM, endpoint.request_stop)
         signal.signal(signal.SIGINT, endpoint.request_stop)
