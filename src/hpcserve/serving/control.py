@@ -179,6 +179,7 @@ class Endpoint:
 
     def launch_failed(self, member: Member, error: dict) -> None:
         member.error = error
+        self.decide("launch failed", f"{member.name} at stage '{error.get('stage')}': {error.get('diagnosis')}"[:400])
         self.stop_member(member, f"failed at stage '{error.get('stage')}': {error.get('diagnosis')}")
         member.status = "failed"
         self.failed_launches += 1
