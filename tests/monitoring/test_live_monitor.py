@@ -141,7 +141,9 @@ def test_dashboard_shows_the_healthy_replica(monitor, deployment, browser):
     try:
         page.goto(monitor + "/")
         row = page.wait_for_selector('[data-testid="replica-0"]', timeout=30_000)
-        assert "healthy" in row.inner_text() and deployment["url"] in row.inner_text()
+        replica_url = httpx.get(monitor + "/api/status", timeout=10).json()["replicas"][0]["url"]
+        assert replica_url != deployment["url"]  # the replica behind the endpoint, not the endpoint
+        assert "healthy" in row.inner_text() and replica_url in row.inner_text()
         page.wait_for_function(  # the generated tok/s cell, once two scrapes saw the counter grow
             "() => parseFloat(document.querySelector('[data-testid=\"replica-0\"]').cells[8].textContent) > 0",
             timeout=30_000)
