@@ -20,21 +20,12 @@ import httpx
 import pytest
 
 from helpers import run_cli, write_config
-from test_slurm_ray import assert_nodes_clean, squeue_empty
+from test_slurm_ray import squeue_empty
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 HERE = Path(__file__).parent
 PROMPT_IDS = [5, 17, 42, 99, 7, 123, 64, 300]
 GREEDY: dict[str, list[int]] = {}
-
-
-@pytest.fixture()
-def slurm_env(sandbox, hpcserve_home, monkeypatch):
-    for key, value in sandbox.env().items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setenv("HPCSERVE_API_KEY", "test-key-" + os.urandom(6).hex())
-    yield sandbox
-    assert_nodes_clean(sandbox)
 
 
 def greedy_ids(url: str, key: str) -> list[int]:

@@ -23,23 +23,10 @@ import pytest
 
 from helpers import HPCSERVE, run_cli, write_config
 from test_distributed_serving import deployed, status_of
-from test_slurm_ray import assert_nodes_clean
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 HERE = Path(__file__).parent
 BENCH = ["--input-len", "16", "--output-len", "16"]
-
-
-@pytest.fixture()
-def slurm_env(sandbox, hpcserve_home, monkeypatch):
-    for key, value in sandbox.env().items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setenv("HPCSERVE_API_KEY", "test-key-" + os.urandom(6).hex())
-    yield sandbox
-    for node in sandbox.node_names():  # a test that killed a node brings it back
-        if not sandbox.init_pid(node):
-            sandbox.start_node(node)
-    assert_nodes_clean(sandbox)
 
 
 def start_bench(name: str, out: Path, *load: str) -> subprocess.Popen:

@@ -19,20 +19,11 @@ import pytest
 
 from helpers import run_cli, write_config
 from test_distributed_serving import deployed, greedy_ids
-from test_slurm_ray import assert_nodes_clean, squeue_empty
+from test_slurm_ray import squeue_empty
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 HERE = Path(__file__).parent
 FAKE_APPTAINER = HERE / "fake-apptainer"
-
-
-@pytest.fixture()
-def slurm_env(sandbox, hpcserve_home, monkeypatch):
-    for key, value in sandbox.env().items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setenv("HPCSERVE_API_KEY", "test-key-" + os.urandom(6).hex())
-    yield sandbox
-    assert_nodes_clean(sandbox)
 
 
 def engine_environments(port: int) -> list[dict[str, str]]:
