@@ -96,10 +96,13 @@ def test_node_killed_during_ray_start_is_named(slurm_env, sandbox, tmp_path):
     assert squeue_empty(slurm_env)
 
 
-def test_node_set_down_before_submission_is_reported(slurm_env, tmp_path):
+@pytest.mark.parametrize("router", [False, True], ids=["job", "endpoint"])
+def test_node_set_down_before_submission_is_reported(slurm_env, tmp_path, router):
+    # With the endpoint in front, the reason comes from its first member's job.
     subprocess.run(["scontrol", "update", "nodename=hsn2", "state=down", "reason=test"], check=True, timeout=30)
     try:
-        config = write_config(tmp_path / "up.yaml", HERE / "sandbox-check.yaml", results_dir=str(tmp_path / "results"))
+        config = write_config(tmp_path / "up.yaml", HERE / "sandbox-check.yaml", results_dir=str(tmp_path / "results"),
+                              serve={"router": router})
         done = run_cli("up", str(config), "--timeout", "15", timeout=120)
     finally:
         subprocess.run(["scontrol", "update", "nodename=hsn2", "state=resume"], check=True, timeout=30)

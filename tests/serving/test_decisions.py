@@ -6,7 +6,7 @@ from datetime import datetime
 
 from hpcserve.config import AutoscaleSpec
 from hpcserve.serving.decisions import (LoadSample, ProbeResult, decide_scale, handover_due, handover_lead_s,
-                                        should_leave, update_idle_since)
+                                        replace_failed_launch, should_leave, update_idle_since)
 
 SPEC = AutoscaleSpec(min=1, max=3, target_queue=4, scale_up_after_s=10, scale_down_after_s=30)
 
@@ -67,3 +67,10 @@ def test_handover_lead_and_due():
     assert handover_due("2026-12-01T12:03:00", now, lead_s=200)
     assert not handover_due("2026-12-01T12:05:00", now, lead_s=200)
     assert not handover_due("Unknown", now, lead_s=200) and not handover_due(None, now, lead_s=200)
+
+
+def test_a_failed_scale_up_or_successor_is_decided_again_not_replaced():
+    # Replacing it as well would launch two members where the autoscaler or the handover wants one.
+    assert not replace_failed_launch("scale-up")
+    assert not replace_failed_launch("successor")
+    assert replace_failed_launch("initial") and replace_failed_launch("replacement")

@@ -116,10 +116,23 @@ class RayCluster:
                                  str(self.node_log(node)))
 
     def connect(self) -> None:
+        """Join the cluster as its driver. ray.init needs the raylet of this node registered with the GCS
+        and gives up after 60 s; on busy cores a raylet can take longer than that after the GCS listens,
+        so try again until the join timeout (a failed attempt leaves nothing behind)."""
         import ray
 
-        if not ray.is_initialized():
-            ray.init(address=self.gcs_address, log_to_driver=False, logging_level="WARNING")
+        deadline = time.monotonic() + self.plan.join_timeout_s
+        while not ray.is_initialized():
+            try:
+                ray.init(address=self.gcs_address, log_to_driver=False, logging_level="WARNING")
+            except ConnectionError as exc:
+                ray.shutdown()
+                self._raise_if_exited()
+                if time.monotonic() > deadline:
+                    raise StageError("ray", f"could not join the Ray cluster at {self.gcs_address} within "
+                                     f"{self.plan.join_timeout_s:.0f} s: {exc}",
+                                     str(self.plan.run_dir / "nodes" / self.plan.nodes[0] / "ray-start.log")) from exc
+                time.sleep(1)
 
     def wait_ready(self) -> list[dict]:
         """Poll the GCS until every node is alive with its resources; name the missing ones if not."""

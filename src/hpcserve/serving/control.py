@@ -20,10 +20,10 @@ import httpx
 from hpcserve.config import DeploymentConfig, Layout
 from hpcserve.driver import Stop
 from hpcserve.serving.decisions import (LoadSample, ProbeResult, decide_scale, handover_due, handover_lead_s,
-                                        should_leave, update_idle_since)
+                                        replace_failed_launch, should_leave, update_idle_since)
 from hpcserve.serving.members import Member, free_slot, member_config, replica_urls, single_replica
 from hpcserve.runner import job_info, launch, runner_gone, stop
-from hpcserve.serving.router import EngineLoad, backends_to_pause, engine_load, is_drained
+from hpcserve.serving.router import EngineLoad, engine_load, is_drained, next_paused
 from hpcserve.serving.readiness import auth_headers, completion_probe
 from hpcserve.timeline import Progress
 
@@ -47,6 +47,7 @@ class Endpoint:
         self.failed_launches = 0
         self.forwarded = 0
         self.last_job_check = 0.0
+        self.last_member_check: dict[str, float] = {}  # launching member -> when Slurm was last asked
         self.client = httpx.Client(timeout=PROBE_TIMEOUT_S, trust_env=False)
         self.ready = False
         self.loads: dict[str, EngineLoad] = {}  # each backend's last /metrics figures
@@ -94,7 +95,7 @@ class Endpoint:
         for url in urls:
             self.router.add(url)
             self.probes[url] = []
-        member.backends, member.status = urls, "serving"
+        member.backends, member.status, member.note = urls, "serving", ""
         member.ready_s = time.time() - member.launched
         self.decide("join", f"{member.name}: {', '.join(urls)} in the pool after {member.ready_s:.0f} s")
         self.failed_launches = 0
@@ -112,14 +113,13 @@ class Endpoint:
     def balance(self) -> None:
         """Load-aware routing the data plane cannot do (it does not read vLLM's /metrics): a backend whose
         engine queues requests or whose KV cache is nearly full is out of rotation while another has room."""
-        # Only backends whose last probe passed count: pausing the one healthy backend because a dying
-        # one still "has room" would leave the router with none.
-        pool = [u for u in self.pool() if self.probes.get(u) and self.probes[u][-1].ok]
-        paused = backends_to_pause({u: self.loads.get(u) for u in pool}, self.paused & set(pool))
+        pool = self.pool()
+        answered = {u for u in pool if self.probes.get(u) and self.probes[u][-1].ok}
+        paused = next_paused(pool, answered, self.loads, self.paused)
         for url in sorted(paused - self.paused):
             self.router.remove(url, drain_s=0)
         for url in sorted(self.paused - paused):
-            if url in pool:  # a paused backend that died meanwhile stays out; its probes make it leave
+            if url in pool:  # resumed; one that left the pool meanwhile stays out
                 self.router.add(url)
         self.paused = paused
 
@@ -171,14 +171,42 @@ class Endpoint:
                 self.launch_failed(member, {"stage": "router", "diagnosis": f"probe from the endpoint failed: {exc}",
                                             "log": None})
             return
-        gone = runner_gone(member.as_record())
+        gone = None
+        if state.get("status") not in ("failed", "stopped") and self.job_check_due(member):
+            self.note_queue(member)
+            gone = runner_gone(member.as_record())
         if state.get("status") in ("failed", "stopped") or gone:
             error = state.get("error") or {"stage": state.get("stage", "submitted"), "diagnosis": gone or "stopped",
                                            "log": str(member.run_dir)}
             self.launch_failed(member, error)
 
+    def job_check_due(self, member: Member) -> bool:
+        """Ask Slurm about a member at most every JOB_CHECK_EVERY_S: sites rate-limit squeue, and the
+        member's own state file (read every round) tells most of it."""
+        now = time.monotonic()
+        if now - self.last_member_check.get(member.name, 0.0) < JOB_CHECK_EVERY_S:
+            return False
+        self.last_member_check[member.name] = now
+        return True
+
+    def note_queue(self, member: Member) -> None:
+        """A member's job waiting in Slurm's queue: its reason in the member's line of `status` and, for the
+        endpoint's first member, in the timeline `up` follows (users otherwise stare at nothing)."""
+        record = member.as_record()
+        if not record.job_id or member.timeline():  # started: its own stages tell the rest
+            return
+        info = job_info(record)
+        line = info.describe() if info is not None and info.state.active else None
+        if line is None or line == member.note:
+            return
+        member.note = line
+        if member is self.members[0] and not self.ready and line.startswith("PENDING"):
+            self.progress.add({"stage": "queue", "event": "waiting", "time": time.time(),
+                               "detail": f"{member.name} (job {record.job_id}): {line}"})
+
     def launch_failed(self, member: Member, error: dict) -> None:
         member.error = error
+        member.retired = not replace_failed_launch(member.role)
         self.decide("launch failed", f"{member.name} at stage '{error.get('stage')}': {error.get('diagnosis')}"[:400])
         self.stop_member(member, f"failed at stage '{error.get('stage')}': {error.get('diagnosis')}")
         member.status = "failed"
@@ -255,6 +283,12 @@ class Endpoint:
         self.idle_since = update_idle_since(self.idle_since, self.history[-1])
         starting = sum(1 for m in self.members if m.status == "launching")
         decision = decide_scale(spec, self.history, len(self.pool()), starting, self.idle_since, time.time())
+        if decision.action == "up" and self.failed_launches >= MAX_FAILED_LAUNCHES:
+            # No launch loop on a site where members cannot start: say it once, until one joins again.
+            if not any(d["action"] == "scale up held" for d in self.decisions[-20:]):
+                self.decide("scale up held", f"{decision.reason}, but the last {self.failed_launches} launches "
+                            "never became ready; see their errors in `hpcserve status`")
+            return
         if decision.action == "up":
             self.decide("scale up", decision.reason)
             self.launch("scale-up", single_replica(self.base_layout()))

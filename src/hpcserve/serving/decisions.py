@@ -93,6 +93,13 @@ def update_idle_since(idle_since: dict[str, float], sample: LoadSample) -> dict[
     return out
 
 
+def replace_failed_launch(role: str) -> bool:
+    """Does self-healing replace a member that failed before it served? Not a scale-up or a successor:
+    the autoscaler and the walltime handover decide again next round whether one is still needed, and a
+    replacement on top would launch two."""
+    return role not in ("scale-up", "successor")
+
+
 # ------------------------------------------------------------------ walltime
 
 def handover_lead_s(startup_s: float | None, configured_s: float | None) -> float:

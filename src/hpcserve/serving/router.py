@@ -106,15 +106,15 @@ def backends_to_pause(loads: dict[str, EngineLoad | None], paused: set[str], max
     return now if len(now) < len(loads) else set()
 
 
-def capacity_shares(loads: dict[str, EngineLoad], tokens_per_s: dict[str, float]) -> dict[str, float]:
-    """Each backend's share of the pool's measured throughput (0..1), for heterogeneous pools: what a
-    backend should receive in proportion to what it delivers. Backends with no measurement get the mean
-    of the others (a new replica is assumed average until measured). Pure."""
-    measured = {url: rate for url, rate in tokens_per_s.items() if url in loads and rate and rate > 0}
-    mean = sum(measured.values()) / len(measured) if measured else 1.0
-    rates = {url: measured.get(url, mean) for url in loads}
-    pool = sum(rates.values())
-    return {url: rate / pool for url, rate in rates.items()} if pool > 0 else {}
+def next_paused(pool: list[str], answered: set[str], loads: dict[str, EngineLoad | None], paused: set[str]) -> set[str]:
+    """The backends out of rotation after one round of the controller. Only backends whose last probe
+    answered are judged: pausing the one healthy backend because a dying one still "has room" would
+    leave the router with none. A paused backend whose probe failed stays paused (its probes decide
+    whether it leaves the pool): forgetting it would leave it out of the router for good, and a later
+    round could pause the last backend still in it. Backends gone from the pool are forgotten. Pure."""
+    judged = [url for url in pool if url in answered]
+    now = backends_to_pause({url: loads.get(url) for url in judged}, paused & set(judged))
+    return now | ((paused & set(pool)) - set(judged))
 
 
 # ------------------------------------------------------------------ the router process

@@ -2,10 +2,12 @@
 and a vLLM-style /metrics. It exists so that the router's own overhead can be measured where an engine's
 noise would hide a 1 ms difference, and so that drain/retry behaviour can be checked at exact moments.
 
-    python -m hpcserve.serving.router_stub --port P [--name N] [--token-delay-ms D] [--tokens K]
+    python -m hpcserve.serving.router_stub --port P [--name N] [--token-delay-ms D] [--tokens K] [--slots S]
 
 Each response names the backend that answered (`system_fingerprint`, header `x-backend`), and the
-backend counts what it served (GET /stub/stats), so tests can see where requests went.
+backend counts what it served (GET /stub/stats), so tests can see where requests went. With --slots S
+it runs at most S requests at once and queues the rest, as an engine with `--max-num-seqs S` does: two
+stubs with different slots stand for replicas of different capacity.
 When HPCSERVE_STUB_API_KEY is set, requests without `Authorization: Bearer <key>` get 401, as vLLM does.
 """
 
@@ -20,6 +22,7 @@ import time
 from aiohttp import web
 
 STATS = web.AppKey("stats", dict)
+SLOTS = web.AppKey("slots", asyncio.Semaphore)
 BAD_PROMPT = "__answer_400__"
 CONFIG = web.AppKey("config", dict)
 
@@ -47,7 +50,7 @@ def _authorized(request: web.Request) -> bool:
 
 
 async def _complete(request: web.Request) -> web.StreamResponse:
-    config, stats = request.app[CONFIG], request.app[STATS]
+    stats = request.app[STATS]
     if not _authorized(request):
         return web.json_response({"error": "Unauthorized"}, status=401)
     body = await request.json()
@@ -55,9 +58,17 @@ async def _complete(request: web.Request) -> web.StreamResponse:
     stats["last_body"] = body  # what the router forwarded (it re-serialises typed requests)
     if body.get("prompt") == BAD_PROMPT:  # a client error, as vLLM answers a bad request
         return web.json_response({"error": {"message": "bad request", "code": 400}}, status=400)
+    stats["requests"] += 1
+    stats["waiting"] += 1
+    async with request.app[SLOTS]:
+        stats["waiting"] -= 1
+        return await _answer(request, body, chat)
+
+
+async def _answer(request: web.Request, body: dict, chat: bool) -> web.StreamResponse:
+    config, stats = request.app[CONFIG], request.app[STATS]
     tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or config["tokens"])
     name, delay = config["name"], config["token_delay_s"]
-    stats["requests"] += 1
     stats["in_flight"] += 1
     try:
         if not body.get("stream"):
@@ -93,7 +104,7 @@ async def _metrics(request: web.Request) -> web.Response:
     text = ("# HELP vllm:num_requests_running Running.\n# TYPE vllm:num_requests_running gauge\n"
             f'vllm:num_requests_running{{model_name="stub"}} {stats["in_flight"]}\n'
             "# HELP vllm:num_requests_waiting Waiting.\n# TYPE vllm:num_requests_waiting gauge\n"
-            'vllm:num_requests_waiting{model_name="stub"} 0\n'
+            f'vllm:num_requests_waiting{{model_name="stub"}} {stats["waiting"]}\n'
             "# HELP vllm:kv_cache_usage_perc KV.\n# TYPE vllm:kv_cache_usage_perc gauge\n"
             'vllm:kv_cache_usage_perc{model_name="stub"} 0.0\n')
     return web.Response(text=text, content_type="text/plain")
@@ -107,10 +118,12 @@ async def _stats(request: web.Request) -> web.Response:
     return web.json_response(request.app[STATS])
 
 
-def make_app(name: str, token_delay_s: float = 0.0, tokens: int = 16, api_key: str | None = None) -> web.Application:
+def make_app(name: str, token_delay_s: float = 0.0, tokens: int = 16, api_key: str | None = None,
+             slots: int = 1_000_000) -> web.Application:
     app = web.Application()
+    app[SLOTS] = asyncio.Semaphore(slots)
     app[CONFIG] = {"name": name, "token_delay_s": token_delay_s, "tokens": tokens, "api_key": api_key}
-    app[STATS] = {"requests": 0, "in_flight": 0, "done": 0, "last_body": None}
+    app[STATS] = {"requests": 0, "waiting": 0, "in_flight": 0, "done": 0, "last_body": None}
     app.add_routes([web.post("/v1/completions", _complete), web.post("/v1/chat/completions", _complete),
                     web.get("/v1/models", _models), web.get("/health", _ok), web.get("/metrics", _metrics),
                     web.get("/stub/stats", _stats)])
@@ -124,8 +137,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--name", default="stub")
     parser.add_argument("--token-delay-ms", type=float, default=0.0)
     parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--slots", type=int, default=1_000_000, help="requests run at once; the rest wait")
     args = parser.parse_args(argv)
-    app = make_app(args.name, args.token_delay_ms / 1000.0, args.tokens, os.environ.get("HPCSERVE_STUB_API_KEY"))
+    app = make_app(args.name, args.token_delay_ms / 1000.0, args.tokens, os.environ.get("HPCSERVE_STUB_API_KEY"),
+                   args.slots)
     web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
 
 
