@@ -5,9 +5,9 @@
 Two OpenAI stand-ins (hpcserve.serving.router_stub) of unequal capacity on loopback: each runs at most
 `slots` requests at once and queues the rest, as an engine with `--max-num-seqs` does, at the same
 per-token speed, so capacity is in proportion to slots. A closed loop of `concurrency` clients sends
-`requests` completions through vllm-router under each of its policies, and once more with round_robin
-plus hpcserve's load-aware rotation (the controller's `backends_to_pause`, one round every
---rotation-s). Prints each backend's share of the requests and the throughput, against
+`requests` completions through vllm-router under each of its policies, then with round_robin plus
+hpcserve's load-aware rotation (serving/router.py's Rotation, one round every --rotation-s, as the
+endpoint's controller runs it). Prints each backend's share of the requests and the throughput against
 the ideal (shares in proportion to slots, throughput = the pool's capacity).
 """
 
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from hpcserve.serving.router import Router, backends_to_pause
+from hpcserve.serving.router import Rotation, Router
 from router import free_port, spawn, stop  # benchmarks/router.py
 
 TOKENS, TOKEN_DELAY_MS = 16, 5.0
@@ -48,16 +48,12 @@ async def closed_loop(url: str, requests: int, concurrency: int) -> tuple[dict[s
         return served, requests / (time.perf_counter() - started)
 
 
-def rotate(router: Router, backends: list[str], stop_event: threading.Event, period_s: float = 1.0) -> None:
-    """The controller's load-aware rotation, alone: pause a backend whose engine queues."""
-    paused: set[str] = set()
+def rotate(router: Router, backends: list[str], stop_event: threading.Event, period_s: float) -> None:
+    """The controller's load-aware rotation alone (serving/control.py: Endpoint.rotate)."""
+    rotation = Rotation(router)
     while not stop_event.wait(period_s):
-        now = backends_to_pause({u: router.engine_load(u) for u in backends}, paused)
-        for url in sorted(now - paused):
-            router.remove(url, drain_s=0)
-        for url in sorted(paused - now):
-            router.add(url)
-        paused = now
+        loads = {url: router.engine_load(url, timeout_s=period_s) for url in backends}
+        rotation.update(backends, {url for url, load in loads.items() if load is not None}, loads)
 
 
 def measure(policy: str, backends: list[str], args: argparse.Namespace, logs: Path, rotation_s: float | None) -> tuple:

@@ -238,7 +238,7 @@ def status(name: str | None = None) -> list[DeploymentStatus]:
 def member_line(member: dict) -> dict:
     """What status shows of a member: name, role, state, where it runs, its replicas."""
     record = member["record"]
-    return {"name": member["name"], "role": member["role"], "status": member["status"],
+    return {"name": member["name"], "role": member["role"], "status": member["status"], "group": member.get("group", 0),
             "runner": f"job {record['job_id']}" if record.get("job_id") else f"pid {record.get('driver_pid')}",
             "backends": member.get("backends") or [], "ready_s": member.get("ready_s"), "note": member.get("note", ""),
             "run_dir": record["run_dir"], "error": member.get("error")}

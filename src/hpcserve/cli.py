@@ -173,7 +173,8 @@ def _show_endpoint(r: api.DeploymentStatus) -> None:
     for m in r.members:
         ready = f", ready after {m['ready_s']:.0f} s" if m.get("ready_s") else ""
         note = f" ({m['note']})" if m.get("note") else ""
-        console.print(f"  member {m['name']} [{m['role']}] {m['status']}{ready}: {m['runner']}{note}", highlight=False)
+        role = f"{m['role']}, group {m['group']}" if m.get("group") else m["role"]
+        console.print(f"  member {m['name']} [{role}] {m['status']}{ready}: {m['runner']}{note}", highlight=False)
     for d in r.decisions[-8:]:
         when = time.strftime("%H:%M:%S", time.localtime(d["time"]))
         console.print(f"  {when} {d['action']}: {d['reason']}", highlight=False)

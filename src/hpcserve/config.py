@@ -139,6 +139,31 @@ class SiteSpec(Strict):
         return self
 
 
+class ReplicaGroup(Strict):
+    """More replicas behind the endpoint in another shape (a heterogeneous pool): other nodes, another
+    tensor/pipeline size, other engine arguments. Each of its replicas is its own job, configured as the
+    deployment with these fields changed. The endpoint's load-aware rotation sends each replica new
+    requests as fast as it finishes them, so traffic follows each replica's capacity."""
+
+    replicas: int = Field(1, gt=0)
+    tensor: int | None = Field(None, gt=0, description="default: parallelism.tensor")
+    pipeline: int | None = Field(None, gt=0, description="default: parallelism.pipeline")
+    partition: str | None = Field(None, description="default: cluster.partition")
+    gpus_per_node: int | None = Field(None, ge=0, description="default: cluster.gpus_per_node")
+    cpus_per_node: int | None = Field(None, gt=0, description="default: cluster.cpus_per_node")
+    sbatch_extra: list[str] | None = Field(None, description="default: cluster.sbatch_extra")
+    engine_args: list[str] = Field(default_factory=list, description="appended to engine.args (the last wins)")
+
+    def layout(self, base: Layout) -> Layout:
+        """One replica of this group's shape."""
+        return Layout(tensor=self.tensor or base.tensor, pipeline=self.pipeline or base.pipeline, replicas=1)
+
+    def cluster(self, base: ClusterSpec) -> ClusterSpec:
+        changed = {"partition": self.partition, "gpus_per_node": self.gpus_per_node,
+                   "cpus_per_node": self.cpus_per_node, "sbatch_extra": self.sbatch_extra}
+        return base.model_copy(update={k: v for k, v in changed.items() if v is not None})
+
+
 class DeploymentConfig(Strict):
     name: str = Field(pattern=NAME_PATTERN, description="lowercase letters, digits and '-', at most 40")
     model: ModelSpec
@@ -147,6 +172,8 @@ class DeploymentConfig(Strict):
     engine: EngineSpec = EngineSpec()
     serve: ServeSpec = ServeSpec()
     autoscale: AutoscaleSpec | None = Field(None, description="replicas follow the load (Slurm only)")
+    replica_groups: list[ReplicaGroup] = Field(default_factory=list, description="more replicas of other shapes "
+                                               "behind the endpoint (serve.router), besides parallelism's")
     site: SiteSpec = SiteSpec()
     results_dir: str = "results"
 
@@ -162,9 +189,23 @@ class DeploymentConfig(Strict):
         if self.autoscale and (self.cluster.scheduler != "slurm" or not self.serve.router):
             raise ValueError("autoscale adds and removes Slurm jobs behind the router: it needs "
                              "cluster.scheduler 'slurm' and serve.router true (or remove autoscale)")
+        for index, group in enumerate(self.replica_groups, start=1):
+            problem = self._group_problem(group)
+            if problem:
+                raise ValueError(f"replica_groups[{index}]: {problem}")
         if self.executor == "ray" and self.cluster.gpus_per_node == 0:
             raise ValueError("engine.executor 'ray' needs GPUs (vLLM on CPU refuses it): use 'mp' or set cluster.gpus_per_node")
         return self
+
+    def _group_problem(self, group: ReplicaGroup) -> str | None:
+        if not self.serve.router:
+            return "replica groups run behind the endpoint: set serve.router true (or remove replica_groups)"
+        if not isinstance(self.parallelism, Layout):
+            return "give parallelism as {tensor, pipeline, replicas} (not 'auto') with replica_groups"
+        cluster = group.cluster(self.cluster)
+        layout = group.layout(self.parallelism)
+        nodes = -(-layout.workers_per_replica // slots_per_node(cluster))
+        return layout_problem(layout, cluster.model_copy(update={"nodes": max(nodes, 1)}))
 
     @property
     def executor(self) -> str:

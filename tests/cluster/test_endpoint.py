@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from helpers import HPCSERVE, run_cli, write_config
+from hpcserve.monitoring.metrics import parse_engine_metrics, total
 from test_distributed_serving import deployed, status_of
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
@@ -133,10 +134,10 @@ def test_endpoint_scales_with_the_queue_and_drains_when_idle(slurm_env, tmp_path
                                      "scale_down_after_s": 30})
     with deployed(config, "sb-scale"):
         started = time.time()
-        # The ramp: a burst far above one replica's capacity, then light steady load while the added
-        # replica loads and joins, then nothing. (Under the burst itself, a second replica needs 4-7
-        # minutes to load here: both cores are busy with the first one's engine.)
-        burst = start_bench("sb-scale", tmp_path / "burst.json", "--concurrency", "12", "--num-prompts", "48",
+        # The ramp: a burst far above one replica's capacity (about 40 s here), then light steady load
+        # while the added replica loads and joins, then nothing. (Under a long burst, a second replica
+        # needs 4-7 minutes to load here: both cores are busy with the first one's engine.)
+        burst = start_bench("sb-scale", tmp_path / "burst.json", "--concurrency", "12", "--num-prompts", "240",
                             "--output-len", "32")
         up = wait_decision("sb-scale", "scale up", started, timeout=120)
         assert "waiting per replica" in up["reason"]
@@ -182,3 +183,34 @@ def test_endpoint_outlives_the_job_time_limit(slurm_env, tmp_path):
                            headers={"Authorization": f"Bearer {os.environ['HPCSERVE_API_KEY']}"},
                            json={"model": "tiny", "prompt": "hello", "max_tokens": 4})
         assert reply.status_code == 200
+
+
+def requests_served(url: str) -> float:
+    """Completed requests of one engine: vLLM's own counter."""
+    reply = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {os.environ['HPCSERVE_API_KEY']}"},
+                      timeout=30)
+    reply.raise_for_status()
+    return total(parse_engine_metrics(reply.text), "vllm:request_success_total") or 0.0
+
+
+def test_unequal_replicas_get_traffic_in_proportion_to_their_capacity(slurm_env, tmp_path):
+    # Two replicas on two nodes: one batches up to 8 requests, the other runs one at a time (its group's
+    # --max-num-seqs 1). Round robin would give each half of the requests; the endpoint keeps new ones
+    # off a replica whose engine queues, so under load above both, the big one serves most.
+    config = write_config(tmp_path / "het.yaml", HERE / "sandbox-replicas.yaml", name="sb-het",
+                          results_dir=str(tmp_path / "results"), serve={"port": 8700},
+                          parallelism={"tensor": 1, "pipeline": 1, "replicas": 1},
+                          engine={"args": ["--max-num-seqs", "8"]},
+                          replica_groups=[{"replicas": 1, "engine_args": ["--max-num-seqs", "1"]}])
+    with deployed(config, "sb-het"):
+        members = {m["group"]: m for m in status_of("sb-het")["members"]}
+        assert sorted(members) == [0, 1] and all(m["status"] == "serving" for m in members.values())
+        big, small = members[0]["backends"][0], members[1]["backends"][0]
+        before = {url: requests_served(url) for url in (big, small)}
+        bench = start_bench("sb-het", tmp_path / "het.json", "--concurrency", "10", "--num-prompts", "200",
+                            "--output-len", "32")
+        requests = finish_bench(bench, tmp_path / "het.json")
+        assert len(requests) == 200 and all(r["ok"] for r in requests), errors([r for r in requests if not r["ok"]])
+        served = {url: requests_served(url) - before[url] for url in (big, small)}
+        assert served[big] + served[small] == 200
+        assert served[big] >= 2 * served[small], served

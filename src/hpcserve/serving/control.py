@@ -23,11 +23,12 @@ from hpcserve.serving.decisions import (LoadSample, ProbeResult, decide_scale, h
                                         replace_failed_launch, should_leave, update_idle_since)
 from hpcserve.serving.members import Member, free_slot, member_config, replica_urls, single_replica
 from hpcserve.runner import job_info, launch, runner_gone, stop
-from hpcserve.serving.router import EngineLoad, engine_load, is_drained, next_paused
+from hpcserve.serving.router import EngineLoad, Rotation, engine_load, is_drained
 from hpcserve.serving.readiness import auth_headers, completion_probe
 from hpcserve.timeline import Progress
 
 TICK_S = 1.0
+ROTATION_S = 0.2  # the load-aware rotation between ticks (measured: docs/benchmarks/router.md)
 PROBE_TIMEOUT_S = 1.0
 DRAIN_TIMEOUT_S = 120.0
 MAX_FAILED_LAUNCHES = 3  # members in a row that never became ready: stop replacing, say why
@@ -51,18 +52,18 @@ class Endpoint:
         self.client = httpx.Client(timeout=PROBE_TIMEOUT_S, trust_env=False)
         self.ready = False
         self.loads: dict[str, EngineLoad] = {}  # each backend's last /metrics figures
-        self.paused: set[str] = set()  # in the pool, but out of the router's rotation for now (balance)
+        self.rotation = Rotation(router)  # load-aware: who of the pool takes new requests now
         self.stop_requested: str | None = None  # a signal's name; the loop stops between steps, never in one
 
     # ------------------------------------------------------------ members
-    def launch(self, role: str, layout: Layout, replaces: str | None = None) -> Member:
+    def launch(self, role: str, layout: Layout, replaces: str | None = None, group: int = 0) -> Member:
         slot = free_slot(self.members)
         name = f"{self.cfg.name}-m{len(self.members)}"
-        member_cfg = member_config(self.cfg, name, slot, layout, self.run_dir / "members")
+        member_cfg = member_config(self.cfg, name, slot, layout, self.run_dir / "members", group)
         (self.run_dir / "members" / "logs").mkdir(parents=True, exist_ok=True)
         key_env = {self.cfg.serve.api_key_env: self.api_key} if self.cfg.serve.api_key_env and self.api_key else {}
         record = launch(member_cfg, self.run_dir / "members", key_env)
-        member = Member(name, slot, role, layout.model_dump(), record.__dict__, replaces=replaces)
+        member = Member(name, slot, role, layout.model_dump(), record.__dict__, replaces=replaces, group=group)
         self.members.append(member)
         self.decide(f"launch {role}", f"{name} ({record.job_id and 'job ' + record.job_id or 'local driver'})"
                     + (f", replacing {replaces}" if replaces else ""))
@@ -105,23 +106,30 @@ class Endpoint:
         if url in (b.url for b in self.router.backends()):
             self.router.remove(url, drain_s=0)  # the controller waits for the drain itself, not blocking
         self.decide("leave", f"{url}: {why}")
-        self.paused.discard(url)
+        self.rotation.paused.discard(url)
         self.probes.pop(url, None)
         self.idle_since.pop(url, None)
         self.loads.pop(url, None)
 
     def balance(self) -> None:
         """Load-aware routing the data plane cannot do (it does not read vLLM's /metrics): a backend whose
-        engine queues requests or whose KV cache is nearly full is out of rotation while another has room."""
-        pool = self.pool()
-        answered = {u for u in pool if self.probes.get(u) and self.probes[u][-1].ok}
-        paused = next_paused(pool, answered, self.loads, self.paused)
-        for url in sorted(paused - self.paused):
-            self.router.remove(url, drain_s=0)
-        for url in sorted(self.paused - paused):
-            if url in pool:  # resumed; one that left the pool meanwhile stays out
-                self.router.add(url)
-        self.paused = paused
+        engine queues requests or whose KV cache is nearly full is out of rotation while another has room.
+        Each tick with the probes' figures; between ticks with fresh ones (rotate)."""
+        self.rotation.update(self.pool(), self.answering(), self.loads)
+
+    def rotate(self) -> None:
+        """Between ticks, every ROTATION_S: the answering backends' load again, and the rotation updated.
+        A slow replica then gets new requests about as fast as it finishes them (docs/endpoint.md)."""
+        answering = self.answering()
+        for url in answering:
+            load = self.router.engine_load(url, timeout_s=ROTATION_S)
+            if load is not None:
+                self.loads[url] = load
+        self.rotation.update(self.pool(), answering, self.loads)
+
+    def answering(self) -> set[str]:
+        """The pool's backends whose last probe passed."""
+        return {u for u in self.pool() if self.probes.get(u) and self.probes[u][-1].ok}
 
     def pool(self) -> list[str]:
         return [u for m in self.members if m.status == "serving" for u in m.backends]
@@ -144,6 +152,16 @@ class Endpoint:
                 self.decide("error", f"{step.__name__}: {type(exc).__name__}: {exc}"[:400])
         self.save()
 
+    def rotate_until(self, deadline: float) -> None:
+        """The time between two ticks: the load-aware rotation, every ROTATION_S."""
+        while not self.stop_requested and time.monotonic() + ROTATION_S < deadline:
+            time.sleep(ROTATION_S)
+            try:
+                self.rotate()
+            except Exception as exc:  # noqa: BLE001 - as in tick: reported, tried again
+                self.decide("error", f"rotate: {type(exc).__name__}: {exc}"[:400])
+        time.sleep(max(0.0, deadline - time.monotonic()))
+
     def request_stop(self, signum: int, _frame) -> None:
         """Signal handler: note it; the loop stops at the next step (no exception in the middle of one)."""
         self.stop_requested = signal.Signals(signum).name
@@ -152,7 +170,7 @@ class Endpoint:
     def keep_router_up(self) -> None:
         if not self.router.alive():  # the data plane died: same port, same pool, at once
             self.router.stop()
-            self.router.start([u for u in self.pool() if u not in self.paused])
+            self.router.start([u for u in self.pool() if u not in self.rotation.paused])
             self.decide("router restarted", f"the router process had exited; see {self.router.log_path}")
 
     def check_members(self) -> None:
@@ -273,7 +291,7 @@ class Endpoint:
                     self.decide("give up", f"{self.failed_launches} launches in a row never became ready: "
                                 f"not replacing {member.name}; see its error in `hpcserve status`")
                     continue
-                successor = self.launch("replacement", Layout(**member.layout), replaces=member.name)
+                successor = self.launch("replacement", Layout(**member.layout), member.name, member.group)
                 member.successor = successor.name
 
     def scale(self) -> None:
@@ -334,7 +352,7 @@ class Endpoint:
                 continue
             lead = handover_lead_s(member.ready_s, self.cfg.serve.handover_s)
             if handover_due(member.end_time, datetime.now(), lead):
-                successor = self.launch("successor", Layout(**member.layout), replaces=member.name)
+                successor = self.launch("successor", Layout(**member.layout), member.name, member.group)
                 member.successor = successor.name
                 self.decide("hand over", f"{member.name} ends at {member.end_time}: successor {successor.name} "
                             f"started {lead:.0f} s ahead")
@@ -360,7 +378,7 @@ class Endpoint:
         self.forwarded = len(events)
 
     def save(self) -> None:
-        self.progress.update(replicas=self.replicas(), paused=sorted(self.paused),
+        self.progress.update(replicas=self.replicas(), paused=sorted(self.rotation.paused),
                              endpoint={"url": self.router.url, "pid": self.router.pid},
                              members=[m.to_json() for m in self.members], decisions=self.decisions[-20:])
 

@@ -23,7 +23,7 @@ from hpcserve.config import DeploymentConfig, Layout, load_config
 from hpcserve.driver import Stop
 from hpcserve.runner import stop
 from hpcserve.serving.control import TICK_S, Endpoint, MemberFailed
-from hpcserve.serving.members import Member, single_replica
+from hpcserve.serving.members import Member, group_layouts
 from hpcserve.serving.readiness import READY_PROMPT, completion_probe
 from hpcserve.state import read_api_key
 
@@ -35,7 +35,7 @@ def serve(endpoint: Endpoint) -> None:
     cfg, progress = endpoint.cfg, endpoint.progress
     layout = cfg.parallelism if isinstance(cfg.parallelism, Layout) else resolved_layout(cfg)
     # One member (job) per replica: a lost node or a job's end takes one replica, not the endpoint.
-    initial = [endpoint.launch("initial", single_replica(layout)) for _ in range(layout.replicas)]
+    initial = [endpoint.launch("initial", shape, group=group) for group, shape in group_layouts(cfg, layout)]
     while not all(m.status == "serving" for m in initial):  # a member failing first fails `up` (MemberFailed)
         endpoint.tick()
         time.sleep(TICK_S / 2)
@@ -47,7 +47,7 @@ def serve(endpoint: Endpoint) -> None:
     progress.update(status="ready", ready_check={"prompt": READY_PROMPT, "answers": {"endpoint": answer}})
     while True:
         endpoint.tick()
-        time.sleep(TICK_S)
+        endpoint.rotate_until(time.monotonic() + TICK_S)
 
 
 def resolved_layout(cfg: DeploymentConfig) -> Layout:

@@ -40,6 +40,7 @@ class Member:
     note: str = ""
     retired: bool = False  # drained on purpose (scaled down, handed over): not replaced
     end_time: str | None = None  # Slurm's EndTime of its job (the time limit), for the handover
+    group: int = 0  # 0: parallelism's shape; k: replica_groups[k - 1]
 
     @property
     def run_dir(self) -> Path:
@@ -62,17 +63,33 @@ class Member:
         return cls(**data)
 
 
-def member_config(cfg: DeploymentConfig, name: str, slot: int, layout: Layout, results_dir: Path) -> DeploymentConfig:
-    """The deployment a member runs: the endpoint's, with its own name, ports and results folder, and
-    no router or autoscaler of its own. On Slurm its engines listen on every address of their node
-    (the router on the submit host must reach them); the API key guards them."""
+def member_config(cfg: DeploymentConfig, name: str, slot: int, layout: Layout, results_dir: Path,
+                  group: int = 0) -> DeploymentConfig:
+    """The deployment a member runs: the endpoint's (changed as its replica group says), with its own
+    name, ports and results folder, and no router, autoscaler or groups of its own. On Slurm its engines
+    listen on every address of their node (the router on the submit host must reach them); the API key
+    guards them."""
     serve = cfg.serve.model_copy(update={
         "router": False, "port": cfg.serve.port + 1 + slot * PORTS_PER_MEMBER,
         "host": "0.0.0.0" if cfg.cluster.scheduler == "slurm" else cfg.serve.host})
-    nodes = sum(shape.nnodes for shape in replica_shapes(layout, slots_per_node(cfg.cluster)))
-    cluster = cfg.cluster.model_copy(update={"nodes": nodes})
+    cluster, engine = cfg.cluster, cfg.engine
+    if group:
+        spec = cfg.replica_groups[group - 1]
+        cluster = spec.cluster(cluster)
+        engine = engine.model_copy(update={"args": [*engine.args, *spec.engine_args]})
+    nodes = sum(shape.nnodes for shape in replica_shapes(layout, slots_per_node(cluster)))
+    cluster = cluster.model_copy(update={"nodes": nodes})
     return cfg.model_copy(update={"name": name, "serve": serve, "parallelism": layout, "autoscale": None,
-                                  "cluster": cluster, "results_dir": str(results_dir)})
+                                  "replica_groups": [], "cluster": cluster, "engine": engine,
+                                  "results_dir": str(results_dir)})
+
+
+def group_layouts(cfg: DeploymentConfig, base: Layout) -> list[tuple[int, Layout]]:
+    """The initial members: (group, one replica's layout) for each replica, parallelism's first."""
+    members = [(0, single_replica(base))] * base.replicas
+    for index, spec in enumerate(cfg.replica_groups, start=1):
+        members += [(index, spec.layout(base))] * spec.replicas
+    return members
 
 
 def free_slot(members: list[Member]) -> int:

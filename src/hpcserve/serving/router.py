@@ -263,10 +263,10 @@ class Router:
                 return False
             time.sleep(POLL_S)
 
-    def engine_load(self, url: str) -> EngineLoad | None:
+    def engine_load(self, url: str, timeout_s: float = 2.0) -> EngineLoad | None:
         """An engine's load from its /metrics; None when it does not answer."""
         try:
-            response = self._client.get(f"{url.rstrip('/')}/metrics", headers=self._auth(), timeout=2.0)
+            response = self._client.get(f"{url.rstrip('/')}/metrics", headers=self._auth(), timeout=timeout_s)
             return engine_load(response.text) if response.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
             return None
@@ -298,6 +298,24 @@ class Router:
             if time.monotonic() > deadline:
                 raise RouterError(message)
             time.sleep(POLL_S)
+
+
+class Rotation:
+    """Load-aware rotation over a router (next_paused applied): which of the pool's backends take new
+    requests now. The controller drives it; benchmarks/router_capacity.py measures it alone."""
+
+    def __init__(self, router: Router):
+        self.router = router
+        self.paused: set[str] = set()  # in the pool, but out of the router's rotation for now
+
+    def update(self, pool: list[str], answered: set[str], loads: dict[str, EngineLoad | None]) -> None:
+        paused = next_paused(pool, answered, loads, self.paused)
+        for url in sorted(paused - self.paused):
+            self.router.remove(url, drain_s=0)
+        for url in sorted(self.paused - paused):
+            if url in pool:  # resumed; one that left the pool meanwhile stays out
+                self.router.add(url)
+        self.paused = paused
 
 
 def stop_router(pid: int, timeout_s: float = 10.0) -> bool:
