@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from helpers import HPCSERVE, run_cli, write_config
-from hpcserve.monitoring.metrics import parse_engine_metrics, total
+from hpcserve.monitoring.metrics import FINISHED, parse_engine_metrics, total
 from test_distributed_serving import deployed, status_of
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
@@ -190,7 +190,7 @@ def requests_served(url: str) -> float:
     reply = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {os.environ['HPCSERVE_API_KEY']}"},
                       timeout=30)
     reply.raise_for_status()
-    return total(parse_engine_metrics(reply.text), "vllm:request_success_total") or 0.0
+    return total(parse_engine_metrics(reply.text), FINISHED) or 0.0
 
 
 def test_unequal_replicas_get_traffic_in_proportion_to_their_capacity(slurm_env, tmp_path):

@@ -60,6 +60,14 @@ def test_idle_since_resets_when_busy():
     assert update_idle_since({}, LoadSample(3.0, {"c": 0}, {"c": 0})) == {"c": 3.0}
 
 
+def test_a_request_finished_between_two_samples_is_not_idleness():
+    # Seen on the sandbox: quick requests every few seconds, each done between two samples, and the
+    # replica serving them was drained as "idle for 31 s". The finished counter tells.
+    before = LoadSample(8.0, {"a": 0, "b": 0}, {"a": 0, "b": 0}, {"a": 40.0, "b": 12.0})
+    now = LoadSample(9.0, {"a": 0, "b": 0}, {"a": 0, "b": 0}, {"a": 41.0, "b": 12.0})
+    assert update_idle_since({"a": 1.0, "b": 1.0}, now, before) == {"a": 9.0, "b": 1.0}
+
+
 def test_handover_lead_and_due():
     assert handover_lead_s(100.0, None) == 210.0
     assert handover_lead_s(100.0, 45.0) == 45.0

@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 VLLM_PREFIX = "vllm:"
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
+FINISHED = "vllm:request_success"  # requests finished (a counter, by finish reason)
 GENERATION_TOKENS = "vllm:generation_tokens"  # counter family names are given without "_total"
 PROMPT_TOKENS = "vllm:prompt_tokens"
 KV_CACHE_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # new name, old name

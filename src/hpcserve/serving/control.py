@@ -255,15 +255,17 @@ class Endpoint:
             load = self.loads[url] = engine_load(metrics.text)
         except ValueError as exc:
             return ProbeResult(False, f"/metrics is not Prometheus text: {exc}")
-        self.record_load(url, load.waiting, load.running)
+        self.record_load(url, load)
         return ProbeResult(True)
 
-    def record_load(self, url: str, waiting: float, running: float) -> None:
+    def record_load(self, url: str, load: EngineLoad) -> None:
         now = time.time()
         if not self.history or now - self.history[-1].time > TICK_S / 2:
             self.history.append(LoadSample(now, {}, {}))
-        self.history[-1].waiting[url] = waiting
-        self.history[-1].running[url] = running
+        self.history[-1].waiting[url] = load.waiting
+        self.history[-1].running[url] = load.running
+        if load.finished is not None:
+            self.history[-1].finished[url] = load.finished
         del self.history[:-600]
 
     def check_jobs(self) -> None:
@@ -298,7 +300,8 @@ class Endpoint:
         spec = self.cfg.autoscale
         if spec is None or not self.history:
             return
-        self.idle_since = update_idle_since(self.idle_since, self.history[-1])
+        self.idle_since = update_idle_since(self.idle_since, self.history[-1],
+                                            self.history[-2] if len(self.history) > 1 else None)
         starting = sum(1 for m in self.members if m.status == "launching")
         decision = decide_scale(spec, self.history, len(self.pool()), starting, self.idle_since, time.time())
         if decision.action == "up" and self.failed_launches >= MAX_FAILED_LAUNCHES:

@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Literal
 
@@ -43,6 +43,7 @@ class LoadSample:
     time: float
     waiting: dict[str, float]
     running: dict[str, float]
+    finished: dict[str, float] = field(default_factory=dict)  # each engine's finished-requests counter
 
     def waiting_per_replica(self) -> float:
         return sum(self.waiting.values()) / max(1, len(self.waiting))
@@ -84,11 +85,16 @@ def decide_scale(spec: AutoscaleSpec, history: list[LoadSample], replicas: int, 
     return ScaleDecision("hold", "load within target")
 
 
-def update_idle_since(idle_since: dict[str, float], sample: LoadSample) -> dict[str, float]:
-    """A backend with nothing waiting or running keeps its idle start; a busy one is reset to now."""
+def update_idle_since(idle_since: dict[str, float], sample: LoadSample,
+                      previous: LoadSample | None = None) -> dict[str, float]:
+    """A backend with nothing waiting or running, and no request finished since the previous sample, keeps
+    its idle start; a busy one is reset to now. (Short requests between two samples are seen only by the
+    finished counter: without it, a replica serving one quick request every few seconds looks idle.)"""
     out = {}
     for backend in sample.waiting:
         busy = sample.waiting.get(backend, 0) + sample.running.get(backend, 0) > 0
+        if previous is not None and backend in sample.finished and backend in previous.finished:
+            busy = busy or sample.finished[backend] > previous.finished[backend]
         out[backend] = sample.time if busy else idle_since.get(backend, sample.time)
     return out
 

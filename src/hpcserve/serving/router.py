@@ -37,7 +37,8 @@ import httpx
 import psutil
 
 from hpcserve.errors import HpcserveError
-from hpcserve.monitoring.metrics import KV_CACHE_USAGE, RUNNING, WAITING, parse_engine_metrics, peak, total
+from hpcserve.monitoring.metrics import (FINISHED, KV_CACHE_USAGE, RUNNING, WAITING, parse_engine_metrics, peak,
+                                         total)
 from hpcserve.serving.readiness import completion_probe, health_ok
 
 LAUNCHER = "hpcserve.serving.router_main"
@@ -58,6 +59,7 @@ class EngineLoad:
     running: float = 0.0
     waiting: float = 0.0
     kv_cache_usage: float | None = None  # 0..1, the fullest KV cache of the engine
+    finished: float | None = None  # requests finished since the engine started (a counter)
 
     @property
     def in_flight(self) -> float:
@@ -67,7 +69,8 @@ class EngineLoad:
 def engine_load(metrics_text: str) -> EngineLoad:
     """Parse vLLM's Prometheus text. Raises ValueError on text that is not Prometheus format."""
     metrics = parse_engine_metrics(metrics_text)
-    return EngineLoad(total(metrics, RUNNING) or 0.0, total(metrics, WAITING) or 0.0, peak(metrics, *KV_CACHE_USAGE))
+    return EngineLoad(total(metrics, RUNNING) or 0.0, total(metrics, WAITING) or 0.0, peak(metrics, *KV_CACHE_USAGE),
+                      total(metrics, FINISHED))
 
 
 def is_drained(load: EngineLoad) -> bool:
