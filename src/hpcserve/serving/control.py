@@ -21,7 +21,8 @@ from hpcserve.config import DeploymentConfig, Layout
 from hpcserve.driver import Stop
 from hpcserve.serving.decisions import (LoadSample, ProbeResult, decide_scale, handover_due, handover_lead_s,
                                         replace_failed_launch, should_leave, update_idle_since)
-from hpcserve.serving.members import Member, free_slot, member_config, replica_urls, single_replica
+from hpcserve.serving.members import (Member, described_replicas, free_slot, member_config, replica_urls,
+                                      single_replica)
 from hpcserve.runner import job_info, launch, runner_gone, stop
 from hpcserve.serving.router import EngineLoad, Rotation, engine_load, is_drained
 from hpcserve.serving.readiness import auth_headers, completion_probe
@@ -381,21 +382,9 @@ class Endpoint:
         self.forwarded = len(events)
 
     def save(self) -> None:
-        self.progress.update(replicas=self.replicas(), paused=sorted(self.rotation.paused),
-                             endpoint={"url": self.router.url, "pid": self.router.pid},
+        self.progress.update(replicas=described_replicas(self.members, self.cfg.model.name),
+                             paused=sorted(self.rotation.paused), endpoint={"url": self.router.url, "pid": self.router.pid},
                              members=[m.to_json() for m in self.members], decisions=self.decisions[-20:])
-
-
-    def replicas(self) -> list[dict]:
-        """Every replica behind the router, as its member's driver describes it (nodes, processes, logs),
-        numbered across the endpoint and named by member."""
-        pool, out = set(self.pool()), []
-        for member in self.members:
-            described = {r["url"]: r for r in member.state().get("replicas") or []}
-            for url in member.backends:
-                out.append({**described.get(url, {}), "index": len(out), "url": url, "member": member.name,
-                            "model": self.cfg.model.name, "healthy": url in pool})
-        return out
 
 
 class MemberFailed(Exception):

@@ -104,3 +104,15 @@ def single_replica(layout: Layout) -> Layout:
 
 def replica_urls(state: dict) -> list[str]:
     return [r["url"] for r in state.get("replicas") or []]
+
+
+def described_replicas(members: list[Member], model: str) -> list[dict]:
+    """Every replica behind the router, as its member's driver describes it (nodes, processes, logs),
+    numbered across the endpoint and named by member; healthy: its member serves (in the pool)."""
+    out = []
+    for member in members:
+        described = {r["url"]: r for r in member.state().get("replicas") or []}
+        for url in member.backends:
+            out.append({**described.get(url, {}), "index": len(out), "url": url, "member": member.name,
+                        "model": model, "healthy": member.status == "serving"})
+    return out
