@@ -313,11 +313,19 @@ class Rotation:
 
     def update(self, pool: list[str], answered: set[str], loads: dict[str, EngineLoad | None]) -> None:
         paused = next_paused(pool, answered, loads, self.paused)
+        # Resumed ones first: removing first would leave the router without a backend for the time an add
+        # takes (~60 ms), and it answers 503 "No available workers" meanwhile (seen on the sandbox).
+        for url in sorted(self.paused - paused):
+            if url not in pool:  # left the pool meanwhile: stays out
+                continue
+            try:
+                self.router.add(url)
+            except RouterError:  # it stopped answering since its probe: paused still, tried next round
+                paused = paused | {url}
+        if pool and set(pool) <= paused:  # a failed add broke "never all of them": pause nobody new
+            paused = paused & self.paused
         for url in sorted(paused - self.paused):
             self.router.remove(url, drain_s=0)
-        for url in sorted(self.paused - paused):
-            if url in pool:  # resumed; one that left the pool meanwhile stays out
-                self.router.add(url)
         self.paused = paused
 
 
