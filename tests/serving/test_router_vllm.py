@@ -4,6 +4,7 @@ Run under the heavy lock: flock /tmp/hpcserve-heavy.lock .venv/bin/python -m pyt
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -148,7 +149,9 @@ def test_spread_drain_kill_and_add(router, engines):
                           json={"model": MODEL, "prompt": "after", "max_tokens": 2}).status_code == 200
     assert _served(url_b) == served_b  # nothing new reached b
     reader.join(120)
-    assert got["lines"][-1] == "data: [DONE]" and len(got["lines"]) >= 201
+    # whole: all 200 tokens (vLLM may merge a few into one chunk), ended by the length limit, then [DONE]
+    assert got["lines"][-1] == "data: [DONE]" and len(got["lines"]) > 100
+    assert json.loads(got["lines"][-2][len("data:"):])["choices"][0]["finish_reason"] == "length"
 
     # kill -9 an engine under load: no retryable request fails; then b (added at run time) gets traffic
     router.add(url_b)
