@@ -23,8 +23,9 @@ from pathlib import Path
 
 import httpx
 
+from hpcserve.serving.readiness import health_ok
 from hpcserve.serving.router import Rotation, Router
-from router import free_port, spawn, stop  # benchmarks/router.py
+from router import free_port, spawn, stop, wait_until  # benchmarks/router.py
 
 TOKENS, TOKEN_DELAY_MS = 16, 5.0
 POLICIES = ("round_robin", "random", "power_of_two", "cache_aware")
@@ -91,7 +92,7 @@ def main() -> None:
     backends = [f"http://127.0.0.1:{port}" for port in ports]
     try:
         for url in backends:
-            _wait_answering(url)
+            wait_until(lambda url=url: health_ok(url), 30)
         capacity = sum(s / (TOKENS * TOKEN_DELAY_MS / 1000) for s in slots)
         ideal = "  ".join(f"{n} {s / sum(slots):.2f}" for n, s in zip(names, slots))
         print(f"ideal shares: {ideal}; ideal throughput {capacity:.1f} req/s (concurrency {args.concurrency})")
@@ -105,19 +106,6 @@ def main() -> None:
         for proc in stubs:
             stop(proc)
     print(f"logs: {logs}")
-
-
-def _wait_answering(url: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=1, trust_env=False).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise SystemExit(f"the stand-in at {url} did not answer within {timeout_s:.0f} s")
-        time.sleep(0.2)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from typing import Callable
 from hpcserve import preflight
 from hpcserve.config import DeploymentConfig, Layout, load_config
 from hpcserve.errors import ConfigError, HpcserveError, StageError, UsageError
-from hpcserve.runner import ENDPOINT, job_info, launch, log_name, runner_gone, stop
+from hpcserve.runner import ENDPOINT, job_info, launch, log_name, queue_line, runner_gone, stop
 from hpcserve.state import (API_KEY_SOURCE_FILE, STATE_FILE, TIMELINE_FILE, Record, forget, list_names,
                             load_record, read_api_key, read_json, save_record)
 from hpcserve.timeline import stage_breakdown
@@ -152,10 +152,9 @@ def follow(record: Record, on_event: Callable[[Event], None] | None, timeout_s: 
 
 def _report_queue(record: Record, last: str | None, on_event) -> str | None:
     """While the job waits in the queue, say why (once per change): users otherwise stare at nothing."""
-    info = job_info(record)
-    if info is None or not info.state.active:
+    line = queue_line(record)
+    if line is None:
         return last
-    line = info.describe()
     if line != last and on_event and line.startswith("PENDING"):
         on_event(Event("queue", "waiting", line, time.time()))
     return line

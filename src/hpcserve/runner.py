@@ -229,6 +229,13 @@ def _driver_process(record: Record) -> psutil.Process | None:
         return None
 
 
+def queue_line(record: Record) -> str | None:
+    """The job's state in one line while Slurm still holds it ("PENDING (Resources)", "RUNNING on ..."),
+    else None (finished, unknown, or no job)."""
+    info = job_info(record)
+    return info.describe() if info is not None and info.state.active else None
+
+
 def job_info(record: Record):
     from hpcserve.errors import SlurmError
     from hpcserve.slurm.client import SlurmClient

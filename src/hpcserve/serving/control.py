@@ -23,7 +23,7 @@ from hpcserve.serving.decisions import (LoadSample, ProbeResult, decide_scale, h
                                         replace_failed_launch, should_leave, update_idle_since)
 from hpcserve.serving.members import (Member, described_replicas, free_slot, member_config, replica_urls,
                                       single_replica)
-from hpcserve.runner import job_info, launch, runner_gone, stop
+from hpcserve.runner import job_info, launch, queue_line, runner_gone, stop
 from hpcserve.serving.router import EngineLoad, Rotation, engine_load, is_drained
 from hpcserve.serving.readiness import auth_headers, completion_probe
 from hpcserve.timeline import Progress
@@ -214,8 +214,7 @@ class Endpoint:
         record = member.as_record()
         if not record.job_id or member.timeline():  # started: its own stages tell the rest
             return
-        info = job_info(record)
-        line = info.describe() if info is not None and info.state.active else None
+        line = queue_line(record)
         if line is None or line == member.note:
             return
         member.note = line
