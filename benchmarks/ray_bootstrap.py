@@ -53,7 +53,7 @@ def hpcserve_check(nodes: int, work: Path) -> dict:
     cfg["results_dir"] = str(work / f"n{nodes}")
     path = work / f"check-{nodes}.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    done = subprocess.run([sys.executable, "-m", "hpcserve.cli", "check", str(path)], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "hpcserve.cli.main", "check", str(path)], capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(done.stdout + done.stderr)
     run_dir = max((work / f"n{nodes}" / "logs").glob("sb-check-check-*"), key=lambda p: p.stat().st_mtime)

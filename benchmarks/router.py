@@ -4,7 +4,7 @@ one run (alternating blocks, the order flipped every block so drift of a shared 
     .venv/bin/python benchmarks/router.py stub  [--blocks 8 --requests 200 --concurrency 1,16]
     flock /tmp/hpcserve-heavy.lock .venv/bin/python benchmarks/router.py vllm [--blocks 4 --requests 24]
 
-`stub`: two fast OpenAI stand-ins (hpcserve.serving.router_stub) on loopback, so that a 1 ms difference
+`stub`: two fast OpenAI stand-ins (hpcserve.testing.standin) on loopback, so that a 1 ms difference
 is not hidden by an engine's noise. `vllm`: two real vLLM engines (the builtin tiny model, one core each).
 Direct traffic goes round-robin over the backends (what `hpcserve bench` did before the router); routed
 traffic goes to the router's one URL. The load generator is hpcserve's own (hpcserve.benchmark.loadgen),
@@ -29,9 +29,9 @@ from pathlib import Path
 import httpx
 
 from hpcserve.benchmark.loadgen import LoadShape, RequestInput, run_load
-from hpcserve.serving.readiness import completion_probe
-from hpcserve.serving.router import Router
-from hpcserve.state import Endpoint
+from hpcserve.engine.client import completion_probe
+from hpcserve.endpoint.router import Router
+from hpcserve.core.state import Endpoint
 
 KEY = "router-bench-key"
 PROMPT = "The quick brown fox jumps over the lazy dog and keeps running through the"
@@ -65,7 +65,7 @@ def start_stubs(directory: Path, output_len: int) -> tuple[list[subprocess.Popen
     procs, urls = [], []
     for name in ("a", "b"):
         port = free_port()
-        argv = [sys.executable, "-m", "hpcserve.serving.router_stub", "--port", str(port), "--name", name,
+        argv = [sys.executable, "-m", "hpcserve.testing.standin", "--port", str(port), "--name", name,
                 "--tokens", str(output_len)]
         procs.append(spawn(argv, directory / f"stub-{name}.log", {"HPCSERVE_STUB_API_KEY": KEY}))
         urls.append(f"http://127.0.0.1:{port}")

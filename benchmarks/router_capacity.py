@@ -2,11 +2,11 @@
 
     .venv/bin/python benchmarks/router_capacity.py [--requests 400 --concurrency 16 --slots 4,1]
 
-Two OpenAI stand-ins (hpcserve.serving.router_stub) of unequal capacity on loopback: each runs at most
+Two OpenAI stand-ins (hpcserve.testing.standin) of unequal capacity on loopback: each runs at most
 `slots` requests at once and queues the rest, as an engine with `--max-num-seqs` does, at the same
 per-token speed, so capacity is in proportion to slots. A closed loop of `concurrency` clients sends
 `requests` completions through vllm-router under each of its policies, then with round_robin plus
-hpcserve's load-aware rotation (serving/router.py's Rotation, one round every --rotation-s, as the
+hpcserve's load-aware rotation (endpoint/router.py's Rotation, one round every --rotation-s, as the
 endpoint's controller runs it). Prints each backend's share of the requests and the throughput against
 the ideal (shares in proportion to slots, throughput = the pool's capacity).
 """
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import httpx
 
-from hpcserve.serving.readiness import health_ok
-from hpcserve.serving.router import Rotation, Router
+from hpcserve.engine.client import health_ok
+from hpcserve.endpoint.router import Rotation, Router
 from router import free_port, spawn, stop, wait_until  # benchmarks/router.py
 
 TOKENS, TOKEN_DELAY_MS = 16, 5.0
@@ -50,7 +50,7 @@ async def closed_loop(url: str, requests: int, concurrency: int) -> tuple[dict[s
 
 
 def rotate(router: Router, backends: list[str], stop_event: threading.Event, period_s: float) -> None:
-    """The controller's load-aware rotation alone (serving/control.py: Endpoint.rotate)."""
+    """The controller's load-aware rotation alone (endpoint/controller.py: Endpoint.rotate)."""
     rotation = Rotation(router)
     while not stop_event.wait(period_s):
         loads = {url: router.engine_load(url, timeout_s=period_s) for url in backends}
@@ -85,7 +85,7 @@ def main() -> None:
     names = [f"b{i}-{s}slots" for i, s in enumerate(slots)]
     logs = Path(tempfile.mkdtemp(prefix="router-capacity-"))
     ports = [free_port() for _ in slots]
-    stubs = [spawn([sys.executable, "-m", "hpcserve.serving.router_stub", "--port", str(port),
+    stubs = [spawn([sys.executable, "-m", "hpcserve.testing.standin", "--port", str(port),
                     "--name", name, "--slots", str(s), "--tokens", str(TOKENS),
                     "--token-delay-ms", str(TOKEN_DELAY_MS)], logs / f"{name}.log")
              for port, name, s in zip(ports, names, slots)]

@@ -115,7 +115,7 @@ def test_missing_file_and_bad_arguments(tmp_path):
 
 
 def test_valid_examples_load():
-    from hpcserve.config import load_config
+    from hpcserve.core.config import load_config
 
     for example in sorted((REPO / "examples").glob("*.yaml")):
         cfg = load_config(example)
@@ -123,7 +123,7 @@ def test_valid_examples_load():
 
 
 def test_layout_problem_is_pure_and_explains():
-    from hpcserve.config import ClusterSpec, Layout, layout_problem
+    from hpcserve.core.config import ClusterSpec, Layout, layout_problem
 
     gpu = ClusterSpec(scheduler="slurm", nodes=2, gpus_per_node=4)
     assert layout_problem(Layout(tensor=4, pipeline=2), gpu) is None

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from hpcserve.benchmark.runner import unauthorized_message
-from hpcserve.errors import UsageError
-from hpcserve.state import API_KEY_FILE, API_KEY_SOURCE_FILE, key_variable, read_api_key
-from hpcserve.timeline import breakdown_line, stage_breakdown
+from hpcserve.core.errors import UsageError
+from hpcserve.core.state import API_KEY_FILE, API_KEY_SOURCE_FILE, key_variable, read_api_key
+from hpcserve.core.timeline import breakdown_line, stage_breakdown
 
 
 def test_generated_key_comes_from_its_file(tmp_path):

@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from hpcserve import preflight
-from hpcserve.config import DeploymentConfig, Layout, load_config
-from hpcserve.errors import ConfigError, HpcserveError, StageError, UsageError
-from hpcserve.runner import ENDPOINT, job_info, launch, log_name, queue_line, runner_gone, stop
-from hpcserve.state import (API_KEY_SOURCE_FILE, STATE_FILE, TIMELINE_FILE, Record, forget, list_names,
+from hpcserve.deployment import preflight
+from hpcserve.core.config import DeploymentConfig, Layout, load_config
+from hpcserve.core.errors import ConfigError, HpcserveError, StageError, UsageError
+from hpcserve.deployment.runs import ENDPOINT, job_info, launch, log_name, queue_line, runner_gone, stop
+from hpcserve.core.state import (API_KEY_SOURCE_FILE, STATE_FILE, TIMELINE_FILE, Record, forget, list_names,
                             load_record, read_api_key, read_json, save_record)
-from hpcserve.timeline import stage_breakdown
+from hpcserve.core.timeline import stage_breakdown
 
 FINAL = {"ready", "failed", "stopped", "checked"}
 
@@ -66,7 +66,7 @@ def prepare(config: str | Path | DeploymentConfig) -> tuple[DeploymentConfig, st
     model_config = preflight.model_config_for(cfg, model_path)
     layout = cfg.parallelism if isinstance(cfg.parallelism, Layout) else None
     if layout and model_config:
-        from hpcserve.serving.planner import check_config_layout
+        from hpcserve.planning.planner import check_config_layout
 
         problems = check_config_layout(cfg, model_config, layout)
         if problems:
@@ -101,7 +101,7 @@ def up(config_path: str | Path | DeploymentConfig, on_event: Callable[[Event], N
 
 def check(config_path: str | Path, on_event: Callable[[Event], None] | None = None) -> tuple[Path, dict | None]:
     """The distributed health check alone: Ray over the nodes, the check, everything stopped again."""
-    from hpcserve.driver import CHECK_ONLY_ENV
+    from hpcserve.deployment.driver import CHECK_ONLY_ENV
 
     cfg = load_config(config_path)
     preflight.check_scheduler(cfg)
@@ -206,7 +206,7 @@ def is_running(record: Record) -> bool:
 
 
 def status(name: str | None = None) -> list[DeploymentStatus]:
-    from hpcserve.serving.readiness import health_ok
+    from hpcserve.engine.client import health_ok
 
     names = [name] if name else list_names()
     out = []

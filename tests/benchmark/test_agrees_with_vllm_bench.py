@@ -25,7 +25,7 @@ import pytest
 
 from hpcserve.benchmark.loadgen import LoadShape
 from hpcserve.benchmark.runner import BenchOptions, run_benchmark
-from hpcserve.state import Endpoint
+from hpcserve.core.state import Endpoint
 
 from helpers import free_port
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 from typer.testing import CliRunner
 
-from hpcserve.benchmark.cli import bench
+from hpcserve.cli.bench import bench
 from hpcserve.benchmark.compare import Column, scaling_efficiency
 from hpcserve.benchmark.loadgen import LoadShape, RequestOutput
 from hpcserve.benchmark.plots import write_plots

@@ -14,7 +14,7 @@ from aiohttp import web
 
 from hpcserve.benchmark.loadgen import LoadShape, RequestInput, make_session, run_load, send_request
 from hpcserve.benchmark.runner import BenchmarkError, BenchOptions, discover_model, run_benchmark
-from hpcserve.state import Endpoint
+from hpcserve.core.state import Endpoint
 
 
 class FakeServer:

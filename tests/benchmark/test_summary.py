@@ -10,7 +10,7 @@ import pytest
 from hpcserve.benchmark.loadgen import LoadShape, RequestOutput
 from hpcserve.benchmark.summary import (BenchResult, BenchRun, RequestRecord, first_errors, load_result, meets_slo,
                                         parse_slo, percentile, summarize, tpot_s)
-from hpcserve.errors import UsageError
+from hpcserve.core.errors import UsageError
 
 
 def ok(ttft: float, e2e: float, tokens: int = 11, prompt: int = 100, itl: list[float] | None = None) -> RequestOutput:

@@ -97,7 +97,7 @@ def test_apptainer_profile_runs_driver_ray_and_engines_inside_the_container(slur
         assert envs and all(e.get("APPTAINER_CONTAINER") == str(image) for e in envs)
     made = calls(image)
     # one driver (on the first node, from the batch script) and one Ray node process per node
-    drivers = [(host, argv) for host, argv in made if "hpcserve.driver" in argv]
+    drivers = [(host, argv) for host, argv in made if "hpcserve.deployment.driver" in argv]
     nodes = sorted((host, argv[argv.index("hpcserve.raycluster.node") + 1]) for host, argv in made
                    if "hpcserve.raycluster.node" in argv)
     assert len(drivers) == 1 and drivers[0][0] == "hsn1"

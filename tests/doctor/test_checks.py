@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from hpcserve.config import parse_config
+from hpcserve.core.config import parse_config
 from hpcserve.doctor.checks import (Captured, check_accounting, check_commands, check_controller, check_partition,
                                     check_submission, check_time, gpu_count, parse_sinfo, slurm_seconds)
 from hpcserve.doctor.findings import Severity, exit_code, ok, warning

@@ -55,7 +55,7 @@ def deployment(hpcserve_home, tmp_path_factory):
 @pytest.fixture(scope="module")
 def monitor(deployment):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "hpcserve.monitoring.cli", NAME, "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "hpcserve.cli.monitor", NAME, "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
     url = f"http://127.0.0.1:{port}"
 

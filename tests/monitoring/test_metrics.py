@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from hpcserve.errors import NotFoundError
+from hpcserve.core.errors import NotFoundError
 from hpcserve.monitoring.metrics import (GENERATION_TOKENS, KV_CACHE_USAGE, RUNNING, Gatherer, NodeMetrics, Snapshot,
                                          counter_rate, last_lines, node_metrics, parse_engine_metrics, peak,
                                          replica_down, replica_from_text, tail_samples, total, with_rates)

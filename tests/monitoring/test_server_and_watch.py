@@ -68,7 +68,7 @@ def test_routes(server):
 
 
 def test_a_taken_port_is_a_clear_error(server, gatherer):
-    from hpcserve.errors import UsageError
+    from hpcserve.core.errors import UsageError
 
     with pytest.raises(UsageError, match="choose another with --port"):
         MonitorServer(gatherer, "127.0.0.1", int(server.url.rsplit(":", 1)[1]))

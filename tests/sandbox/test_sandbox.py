@@ -16,7 +16,7 @@ import psutil
 import pytest
 from typer.testing import CliRunner
 
-from hpcserve.sandbox.cli import app
+from hpcserve.cli.sandbox import app
 from hpcserve.sandbox.cluster import Sandbox, pid_alive, pid_namespace_members, wait_for
 
 pytestmark = pytest.mark.sandbox

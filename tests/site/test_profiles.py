@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcserve.config import parse_config
+from hpcserve.core.config import parse_config
 from hpcserve.raycluster.launch import SrunLauncher, srun_argv
 from hpcserve.site.profiles import STEP_ENV, StepWrap, container_mounts, profile_for
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcserve.errors import ConfigError
+from hpcserve.core.errors import ConfigError
 from hpcserve.site.files import load_site_file, load_with_site
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

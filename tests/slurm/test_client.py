@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcserve.errors import SlurmError, UsageError
+from hpcserve.core.errors import SlurmError, UsageError
 from hpcserve.slurm.client import JobWaitTimeout, SlurmClient, SlurmJobNotFound, log_folders
 from hpcserve.slurm.states import JobState
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hpcserve.config import DeploymentConfig, load_config, parse_config
-from hpcserve.errors import ConfigError
+from hpcserve.core.config import DeploymentConfig, load_config, parse_config
+from hpcserve.core.errors import ConfigError
 from hpcserve.slurm.render import render_batch_script
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -159,7 +159,7 @@ def test_shell_part_runs_as_slurm_would_run_it(tmp_path):
     assert (run_dir / "slurm.out").read_text() == "early output\n"
     assert not (logs / ".slurm-42.out").exists()
     assert yaml.safe_load((run_dir / "config.yaml").read_text()) == cfg.model_dump(mode="json")
-    assert (tmp_path / "args").read_text().splitlines() == ["-m", "hpcserve.driver", str(run_dir)]
+    assert (tmp_path / "args").read_text().splitlines() == ["-m", "hpcserve.deployment.driver", str(run_dir)]
     assert (tmp_path / "setup").read_text() == "setup ran \n"
 
 
@@ -177,7 +177,7 @@ def last_line(script: str) -> str:
 
 def test_venv_profile_runs_the_driver_directly_and_exports_nothing():
     script = render(example("site-venv.yaml"))
-    assert last_line(script) == f'exec {PYTHON} -m hpcserve.driver "$RUN_DIR"'
+    assert last_line(script) == f'exec {PYTHON} -m hpcserve.deployment.driver "$RUN_DIR"'
     assert "HPCSERVE_SITE_STEP" not in script
 
 
@@ -185,13 +185,13 @@ def test_apptainer_profile_wraps_the_driver_and_hands_the_wrapper_to_the_nodes()
     script = render(example("site-apptainer.yaml"))
     wrapper = ("apptainer exec --nv --bind /shared/results,/shared/models/Meta-Llama-3.1-70B-Instruct,"
                "/etc/slurm,/run/munge,/usr/bin/srun,/usr/lib64/slurm,/scratch /shared/images/hpcserve-vllm.sif")
-    assert last_line(script) == f'exec {wrapper} python3 -m hpcserve.driver "$RUN_DIR"'
+    assert last_line(script) == f'exec {wrapper} python3 -m hpcserve.deployment.driver "$RUN_DIR"'
     assert f'"prefix":{json.dumps(wrapper.split())}'.replace(", ", ",") in script
 
 
 def test_apptainer_on_cpus_has_no_nv_and_singularity_works_too():
     cfg = with_site(with_cluster(example("local.yaml"), scheduler="slurm"), runtime="apptainer", image="/img/x.sif", container_command="singularity")
-    assert "singularity exec --bind /shared/results /img/x.sif python3 -m hpcserve.driver" in last_line(render(cfg))
+    assert "singularity exec --bind /shared/results /img/x.sif python3 -m hpcserve.deployment.driver" in last_line(render(cfg))
 
 
 def test_pyxis_profile_runs_the_driver_as_a_container_step():
@@ -200,7 +200,7 @@ def test_pyxis_profile_runs_the_driver_as_a_container_step():
     assert line.startswith("exec srun --nodes=1 --ntasks=1 --overlap --export=ALL "
                            "--container-image=/shared/images/hpcserve-vllm.sqsh --container-mounts=")
     assert "/shared/hf-cache:/root/.cache/huggingface" in line and ",/tmp:/tmp " in line
-    assert line.endswith(' python3 -m hpcserve.driver "$RUN_DIR"')
+    assert line.endswith(' python3 -m hpcserve.deployment.driver "$RUN_DIR"')
 
 
 def test_no_gres_requests_no_gpus_and_takes_whole_nodes():
@@ -225,7 +225,7 @@ def test_no_gres_on_a_cpu_partition_renders_no_gpu_option_and_no_exclusive():
 def test_container_image_with_spaces_is_quoted(tmp_path):
     cfg = with_site(with_cluster(example("local.yaml"), scheduler="slurm"), runtime="apptainer", image="/my images/x.sif")
     script = render(cfg)
-    assert "'/my images/x.sif' python3 -m hpcserve.driver" in last_line(script)
+    assert "'/my images/x.sif' python3 -m hpcserve.deployment.driver" in last_line(script)
     path = tmp_path / "job.sbatch"
     path.write_text(script)
     assert subprocess.run(["bash", "-n", str(path)], timeout=30).returncode == 0
@@ -253,7 +253,7 @@ def test_apptainer_script_hands_the_node_wrapper_to_the_driver(tmp_path):
     assert done.returncode == 0, done.stderr
     run_dir = results / "logs" / "local-tiny-7"
     assert (tmp_path / "args").read_text().splitlines() == [
-        "exec", "--bind", str(results), "/img/x.sif", "python3", "-m", "hpcserve.driver", str(run_dir)]
+        "exec", "--bind", str(results), "/img/x.sif", "python3", "-m", "hpcserve.deployment.driver", str(run_dir)]
     seen = dict(line.split("=", 1) for line in (tmp_path / "env").read_text().splitlines() if "=" in line)
     step = SrunLauncher(StepWrap.from_env(seen)).step
     argv = srun_argv("n2", ["python3", "-m", "x"], 0, step)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from hpcserve.state import Endpoint
+from hpcserve.core.state import Endpoint
 
 CONNECT_TIMEOUT_S = 10.0
 ERROR_BODY_CHARS = 300

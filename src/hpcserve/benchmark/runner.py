@@ -20,8 +20,8 @@ from hpcserve.benchmark.loadgen import (LoadShape, RequestInput, RequestOutput, 
 from hpcserve.benchmark.summary import BenchResult, BenchRun, RequestRecord, summarize
 from hpcserve.benchmark.workload import (DEFAULT_VOCAB_SIZE, LengthRange, arrival_offsets, load_dataset,
                                          random_token_prompts)
-from hpcserve.errors import HpcserveError, UsageError
-from hpcserve.state import Endpoint
+from hpcserve.core.errors import HpcserveError, UsageError
+from hpcserve.core.state import Endpoint
 
 DEFAULT_NUM_PROMPTS = 100
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcserve.benchmark.loadgen import LoadShape, RequestOutput
-from hpcserve.errors import UsageError
+from hpcserve.core.errors import UsageError
 
 SLO_KEYS = {"ttft_ms": "time to first token", "tpot_ms": "time per output token", "e2e_ms": "end-to-end latency"}
 MAX_ERRORS_KEPT = 5

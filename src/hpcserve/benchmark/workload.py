@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpcserve.benchmark.loadgen import RequestInput
-from hpcserve.errors import UsageError
+from hpcserve.core.errors import UsageError
 
 # Token ids below this exist in every tokenizer hpcserve serves (the tiny test model has 587 tokens);
 # which ids a prompt holds does not change the cost of serving it, only how many.

@@ -1,3 +1,3 @@
-from hpcserve.doctor.cli import main
+from hpcserve.cli.doctor import main
 
 main()

@@ -9,7 +9,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from hpcserve.config import DeploymentConfig
+from hpcserve.core.config import DeploymentConfig
 from hpcserve.doctor.findings import Finding, blocker, info, ok, warning
 
 SLURM_COMMANDS = ("sbatch", "squeue", "sinfo", "srun", "scontrol")

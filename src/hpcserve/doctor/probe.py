@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from hpcserve.config import DeploymentConfig
+from hpcserve.core.config import DeploymentConfig
 from hpcserve.doctor.checks import Captured
 from hpcserve.doctor.findings import Finding, blocker, ok, warning
 from hpcserve.site.profiles import SiteProfile

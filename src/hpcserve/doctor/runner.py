@@ -18,12 +18,12 @@ from pathlib import Path
 
 import yaml
 
-from hpcserve.config import BUILTIN_TINY, DeploymentConfig, Layout
+from hpcserve.core.config import BUILTIN_TINY, DeploymentConfig, Layout
 from hpcserve.doctor.checks import (SINFO_FORMAT, Captured, check_accounting, check_commands, check_controller,
                                     check_partition, check_submission, check_time)
 from hpcserve.doctor.findings import Finding, blocker, info, ok, warning
 from hpcserve.doctor.probe import IMMEDIATE_S, check_probe, probe_argv
-from hpcserve.errors import HpcserveError
+from hpcserve.core.errors import HpcserveError
 from hpcserve.site.profiles import SiteProfile, profile_for
 
 Runner = Callable[[list[str], float], Captured]
@@ -95,7 +95,7 @@ def ordered(findings: list[Finding]) -> list[Finding]:
 
 def locate_model(cfg: DeploymentConfig) -> tuple[str | None, list[Finding]]:
     """The model folder the job would load (None for a hub id), as the login node sees it."""
-    from hpcserve.preflight import resolve_model_path
+    from hpcserve.deployment.preflight import resolve_model_path
 
     try:
         path = resolve_model_path(cfg)

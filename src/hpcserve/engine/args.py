@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from hpcserve.config import DeploymentConfig
+from hpcserve.core.config import DeploymentConfig
 
 
 @dataclass(frozen=True)

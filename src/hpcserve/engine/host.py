@@ -122,7 +122,7 @@ def _quietly(action) -> None:
 
 
 class EngineHost:
-    """Use through ray.remote(EngineHost).options(...) — see serving/replicas.py."""
+    """Use through ray.remote(EngineHost).options(...) — see deployment/replicas.py."""
 
     def __init__(self) -> None:
         self.proc: subprocess.Popen | None = None

@@ -255,7 +255,7 @@ def _default_status(name: str):
 
 def _default_key(name: str) -> str | None:
     from hpcserve import api
-    from hpcserve.errors import HpcserveError
+    from hpcserve.core.errors import HpcserveError
 
     try:
         return api.api_key_for(name)
@@ -290,7 +290,7 @@ class Gatherer:
             return self.last
 
     def _gather(self) -> Snapshot:
-        from hpcserve.errors import HpcserveError
+        from hpcserve.core.errors import HpcserveError
 
         try:
             status = self.status_fn(self.name)

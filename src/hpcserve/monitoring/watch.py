@@ -88,7 +88,7 @@ def render_all(snapshots: list[Snapshot], interval: float) -> Group:
 def watch(name: str | None, interval: float = 2.0, console: Console | None = None,
           iterations: int | None = None) -> None:
     """Show one deployment (or every registered one) until Ctrl-C (or `iterations` refreshes, for tests)."""
-    from hpcserve.state import list_names
+    from hpcserve.core.state import list_names
 
     gatherers: dict[str, Gatherer] = {}
 

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import psutil
 
-from hpcserve.errors import StageError, UsageError
+from hpcserve.core.errors import StageError, UsageError
 from hpcserve.sandbox import hosts, munge
 from hpcserve.sandbox.network import (check_subnet_free, disable_ipv6_on, netns_exists,
                                       network_down, network_up)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 
-from hpcserve.errors import CommandError, StageError
+from hpcserve.core.errors import CommandError, StageError
 from hpcserve.sandbox.procs import STOP_TIMEOUT_S, pid_alive, read_int, send_signal, tail, wait_for
 
 

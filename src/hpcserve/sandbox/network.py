@@ -9,7 +9,7 @@ from __future__ import annotations
 import ipaddress
 from pathlib import Path
 
-from hpcserve.errors import StageError, UsageError
+from hpcserve.core.errors import StageError, UsageError
 from hpcserve.sandbox.procs import STOP_TIMEOUT_S, run, wait_for
 
 

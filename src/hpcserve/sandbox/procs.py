@@ -17,7 +17,7 @@ from typing import TypeVar
 
 import psutil
 
-from hpcserve.errors import CommandError, UsageError
+from hpcserve.core.errors import CommandError, UsageError
 
 T = TypeVar("T")
 

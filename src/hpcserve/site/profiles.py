@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from hpcserve.config import DeploymentConfig, SiteSpec
+from hpcserve.core.config import DeploymentConfig, SiteSpec
 
 # The environment variable through which the batch script tells the driver's SrunLauncher how to start
 # each node's step; one JSON object, so it travels exactly through sbatch, srun and containers.
@@ -64,7 +64,7 @@ class SiteProfile:
 
     runtime: str
     step: StepWrap                       # for every node's Ray
-    driver: tuple[str, ...]              # argv before `PYTHON -m hpcserve.driver RUN_DIR`
+    driver: tuple[str, ...]              # argv before `PYTHON -m hpcserve.deployment.driver RUN_DIR`
     python: str | None                   # interpreter for the driver; None: the caller's
     exclusive: bool                      # ask for whole nodes (GPUs without GRES)
     mounts: tuple[str, ...] = field(default=())

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from hpcserve.errors import HpcserveError, SlurmError, UsageError
+from hpcserve.core.errors import HpcserveError, SlurmError, UsageError
 from hpcserve.slurm.parse import (
     SACCT_FORMAT,
     SQUEUE_FORMAT,

@@ -1,4 +1,4 @@
-"""The sbatch script of a deployment, rendered from templates/job.sh.j2.
+"""The sbatch script of a deployment, rendered from slurm/templates/job.sh.j2.
 
 Data (paths, names, Slurm values) is shell-quoted; cluster.setup and cluster.sbatch_extra are
 the user's own shell lines and #SBATCH options and go in verbatim. The site profile (site:, see
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import jinja2
 
-from hpcserve.config import DeploymentConfig
-from hpcserve.errors import ConfigError
+from hpcserve.core.config import DeploymentConfig
+from hpcserve.core.errors import ConfigError
 from hpcserve.site.profiles import STEP_ENV, profile_for, shell_words
 
 TEMPLATE = "job.sh.j2"
@@ -107,7 +107,7 @@ def leaked_secret(script: str, api_key_env: str | None, environ: Mapping[str, st
 @functools.lru_cache(maxsize=1)
 def _environment() -> jinja2.Environment:
     return jinja2.Environment(
-        loader=jinja2.PackageLoader("hpcserve", "templates"),
+        loader=jinja2.PackageLoader("hpcserve.slurm", "templates"),
         undefined=jinja2.StrictUndefined,
         autoescape=False,          # a shell script, not HTML; quoting is done with shlex above
         trim_blocks=True,          # {% %} lines leave no blank lines behind

@@ -1,0 +1,3 @@
+from hpcserve.cli.main import main
+
+main()

@@ -1,0 +1,305 @@
+"""The one deployment file: its schema, and loading it with errors a user can act on.
+
+Every error names the field, the bad value and the fix; unknown keys list the valid ones.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from hpcserve.core.errors import ConfigError
+
+BUILTIN_TINY = "builtin:tiny-llama"
+NAME_PATTERN = r"^[a-z0-9][a-z0-9-]{0,39}$"
+# Slurm's --time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S
+SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$|^UNLIMITED$|^infinite$")
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(Strict):
+    path: str = Field(description=f"local folder, a hub id, or {BUILTIN_TINY} (built on first use)")
+    catalog: str | None = Field(None, description="a catalogue name such as llama-3.1-70b: the model's shape and "
+                                "recommended settings without reading config.json (`hpcserve plan --list-models`)")
+    served_name: str | None = Field(None, description="name clients use in requests; default: the folder name")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    max_model_len: int | None = Field(None, gt=0, description="context length; default: the model's")
+    quantization: str | None = Field(None, description="vLLM --quantization, e.g. awq, gptq, fp8")
+
+    @property
+    def name(self) -> str:
+        if self.served_name:
+            return self.served_name
+        return Path(self.path.removeprefix("builtin:")).name or self.path
+
+
+class ClusterSpec(Strict):
+    scheduler: Literal["local", "slurm"] = "local"
+    nodes: int = Field(1, gt=0)
+    gpus_per_node: int = Field(0, ge=0, description="0 runs vLLM on CPUs")
+    cpus_per_node: int = Field(2, gt=0)
+    gpu_memory_gb: float = Field(80.0, gt=0, description="memory of one GPU, used by the planner")
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time: str = Field("01:00:00", description="Slurm walltime, e.g. 30, 1:00:00, 2-00:00:00")
+    setup: list[str] = Field(default_factory=list, description="shell lines run on every node first: module load, venv, container")
+    sbatch_extra: list[str] = Field(default_factory=list, description="extra #SBATCH options, e.g. --constraint=h100")
+
+    @field_validator("time")
+    @classmethod
+    def _slurm_time(cls, value: str) -> str:
+        if not SLURM_TIME.match(value):
+            raise ValueError("not a Slurm time; use minutes (30), H:M:S (1:00:00) or D-H:M:S (2-00:00:00)")
+        return value
+
+    @model_validator(mode="after")
+    def _local_is_one_node(self) -> ClusterSpec:
+        if self.scheduler == "local" and self.nodes != 1:
+            raise ValueError("scheduler 'local' runs on this machine only: set nodes: 1, or scheduler: slurm")
+        return self
+
+
+class Layout(Strict):
+    tensor: int = Field(1, gt=0, description="tensor-parallel size (GPUs that split each layer)")
+    pipeline: int = Field(1, gt=0, description="pipeline-parallel size (stages, usually one per node)")
+    replicas: int = Field(1, gt=0, description="independent engines behind the endpoint")
+
+    @property
+    def workers_per_replica(self) -> int:
+        return self.tensor * self.pipeline
+
+
+class EngineSpec(Strict):
+    executor: Literal["auto", "ray", "mp"] = Field("auto", description="auto: ray on GPUs, mp on CPUs (vLLM on CPU refuses ray)")
+    args: list[str] = Field(default_factory=list, description="extra vLLM arguments, e.g. ['--enforce-eager']")
+    env: dict[str, str] = Field(default_factory=dict, description="environment for every engine process on every node")
+    startup_timeout_s: float = Field(600, gt=0)
+
+    @field_validator("args")
+    @classmethod
+    def _no_secrets_in_args(cls, args: list[str]) -> list[str]:
+        if any(a == "--api-key" or a.startswith("--api-key=") for a in args):
+            raise ValueError("--api-key would show in process lists; set serve.api_key_env instead")
+        return args
+
+
+class ServeSpec(Strict):
+    host: str = Field("127.0.0.1", description="address the endpoint binds; 0.0.0.0 on a cluster")
+    port: int = Field(8000, ge=1, le=65535)
+    api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+                                    description="name of the environment variable that holds the API key")
+    expected_concurrency: int | None = Field(None, gt=0, description="requests in flight you expect: the "
+                                             "planner scores layouts at this load, not at their capacity")
+    router: bool = Field(True, description="one endpoint on serve.port in front of all replicas; false: each "
+                         "replica is its own endpoint on serve.port + index")
+    handover_s: float | None = Field(None, gt=0, description="Slurm: submit a job's successor this long before "
+                                     "its time limit; default 1.5 x its measured startup + 60 s")
+
+
+class AutoscaleSpec(Strict):
+    """Replicas follow the load: one Slurm job per extra replica, drained and cancelled when idle."""
+
+    min: int = Field(1, ge=1, description="replicas always kept")
+    max: int = Field(4, ge=1, description="replicas at most")
+    target_queue: float = Field(4.0, gt=0, description="waiting requests per replica above which one is added")
+    scale_up_after_s: float = Field(10.0, gt=0, description="how long the queue must stay above target")
+    scale_down_after_s: float = Field(60.0, gt=0, description="how long a replica must be idle to be removed")
+
+    @model_validator(mode="after")
+    def _min_le_max(self) -> AutoscaleSpec:
+        if self.min > self.max:
+            raise ValueError(f"autoscale.min ({self.min}) is larger than autoscale.max ({self.max}): swap them")
+        return self
+
+
+class SiteSpec(Strict):
+    """How a site runs software on its compute nodes (also loadable alone with `--site FILE`)."""
+
+    runtime: Literal["venv", "apptainer", "pyxis"] = Field(
+        "venv", description="venv: cluster.setup activates it; apptainer: every process runs in `apptainer exec "
+        "--nv IMAGE`; pyxis: srun --container-image=IMAGE")
+    image: str | None = Field(None, description="container image (.sif for apptainer, a squashfs or URI for pyxis)")
+    container_command: str = Field("apptainer", description="apptainer or singularity (a path works too)")
+    binds: list[str] = Field(default_factory=list, description="extra paths mounted into the container; the "
+                             "model and results folders are mounted always")
+    gres: bool = Field(True, description="false: the partition has no GRES; GPUs are not requested by --gpus-per-node")
+
+    @model_validator(mode="after")
+    def _image_for_containers(self) -> SiteSpec:
+        if self.runtime != "venv" and not self.image:
+            raise ValueError(f"site.runtime '{self.runtime}' needs site.image: the container image to run")
+        return self
+
+
+class ReplicaGroup(Strict):
+    """More replicas behind the endpoint in another shape (a heterogeneous pool): other nodes, another
+    tensor/pipeline size, other engine arguments. Each of its replicas is its own job, configured as the
+    deployment with these fields changed. The endpoint's load-aware rotation sends each replica new
+    requests as fast as it finishes them, so traffic follows each replica's capacity."""
+
+    replicas: int = Field(1, gt=0)
+    tensor: int | None = Field(None, gt=0, description="default: parallelism.tensor")
+    pipeline: int | None = Field(None, gt=0, description="default: parallelism.pipeline")
+    partition: str | None = Field(None, description="default: cluster.partition")
+    gpus_per_node: int | None = Field(None, ge=0, description="default: cluster.gpus_per_node")
+    cpus_per_node: int | None = Field(None, gt=0, description="default: cluster.cpus_per_node")
+    sbatch_extra: list[str] | None = Field(None, description="default: cluster.sbatch_extra")
+    engine_args: list[str] = Field(default_factory=list, description="appended to engine.args (the last wins)")
+
+    def layout(self, base: Layout) -> Layout:
+        """One replica of this group's shape."""
+        return Layout(tensor=self.tensor or base.tensor, pipeline=self.pipeline or base.pipeline, replicas=1)
+
+    def cluster(self, base: ClusterSpec) -> ClusterSpec:
+        changed = {"partition": self.partition, "gpus_per_node": self.gpus_per_node,
+                   "cpus_per_node": self.cpus_per_node, "sbatch_extra": self.sbatch_extra}
+        return base.model_copy(update={k: v for k, v in changed.items() if v is not None})
+
+
+class DeploymentConfig(Strict):
+    name: str = Field(pattern=NAME_PATTERN, description="lowercase letters, digits and '-', at most 40")
+    model: ModelSpec
+    cluster: ClusterSpec = ClusterSpec()
+    parallelism: Union[Literal["auto"], Layout] = Field(Layout(), description="'auto' or {tensor, pipeline, replicas}")
+    engine: EngineSpec = EngineSpec()
+    serve: ServeSpec = ServeSpec()
+    autoscale: AutoscaleSpec | None = Field(None, description="replicas follow the load (Slurm only)")
+    replica_groups: list[ReplicaGroup] = Field(default_factory=list, description="more replicas of other shapes "
+                                               "behind the endpoint (serve.router), besides parallelism's")
+    site: SiteSpec = SiteSpec()
+    results_dir: str = "results"
+
+    @model_validator(mode="after")
+    def _layout_fits(self) -> DeploymentConfig:
+        if isinstance(self.parallelism, Layout):
+            problem = layout_problem(self.parallelism, self.cluster)
+            if problem:
+                raise ValueError(problem)
+        if self.site.runtime != "venv" and self.cluster.scheduler == "local":
+            raise ValueError(f"site.runtime '{self.site.runtime}' wraps Slurm job steps; scheduler 'local' runs "
+                             "outside any container: set cluster.scheduler: slurm or site.runtime: venv")
+        if self.autoscale and (self.cluster.scheduler != "slurm" or not self.serve.router):
+            raise ValueError("autoscale adds and removes Slurm jobs behind the router: it needs "
+                             "cluster.scheduler 'slurm' and serve.router true (or remove autoscale)")
+        for index, group in enumerate(self.replica_groups, start=1):
+            problem = self._group_problem(group)
+            if problem:
+                raise ValueError(f"replica_groups[{index}]: {problem}")
+        if self.executor == "ray" and self.cluster.gpus_per_node == 0:
+            raise ValueError("engine.executor 'ray' needs GPUs (vLLM on CPU refuses it): use 'mp' or set cluster.gpus_per_node")
+        return self
+
+    def _group_problem(self, group: ReplicaGroup) -> str | None:
+        if not self.serve.router:
+            return "replica groups run behind the endpoint: set serve.router true (or remove replica_groups)"
+        if not isinstance(self.parallelism, Layout):
+            return "give parallelism as {tensor, pipeline, replicas} (not 'auto') with replica_groups"
+        cluster = group.cluster(self.cluster)
+        layout = group.layout(self.parallelism)
+        nodes = -(-layout.workers_per_replica // slots_per_node(cluster))
+        return layout_problem(layout, cluster.model_copy(update={"nodes": max(nodes, 1)}))
+
+    @property
+    def executor(self) -> str:
+        if self.engine.executor != "auto":
+            return self.engine.executor
+        return "ray" if self.cluster.gpus_per_node > 0 else "mp"
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.cluster.gpus_per_node > 0
+
+
+def slots_per_node(cluster: ClusterSpec) -> int:
+    """Engine workers one node can hold: one per GPU, or one per core on CPU nodes."""
+    return cluster.gpus_per_node or cluster.cpus_per_node
+
+
+def layout_problem(layout: Layout, cluster: ClusterSpec) -> str | None:
+    """Why this layout cannot run on this cluster, or None. Pure."""
+    slots = slots_per_node(cluster)
+    unit = "GPUs" if cluster.gpus_per_node else "CPUs"
+    needed = layout.workers_per_replica * layout.replicas
+    have = slots * cluster.nodes
+    if needed > have:
+        return (f"parallelism needs {needed} workers (tensor {layout.tensor} x pipeline {layout.pipeline} x "
+                f"replicas {layout.replicas}) but the cluster has {have} {unit} ({cluster.nodes} nodes x {slots}): "
+                "lower the parallelism or add nodes")
+    if layout.workers_per_replica > slots and layout.workers_per_replica % slots:
+        return (f"a replica spanning nodes needs tensor x pipeline ({layout.workers_per_replica}) to be a multiple "
+                f"of the {unit} per node ({slots})")
+    return None
+
+
+# ---------------------------------------------------------------- loading
+
+def load_config(path: str | Path) -> DeploymentConfig:
+    """Read and validate a deployment file. Raises ConfigError with one readable message."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such file. Pass the path of a deployment YAML, e.g. examples/local.yaml")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(f"{path}: not valid YAML{where}: {problem}. Fix the syntax (indentation, colons, quotes).") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping with keys {', '.join(DeploymentConfig.model_fields)}")
+    return parse_config(raw, source=str(path))
+
+
+def parse_config(raw: dict[str, Any], source: str = "config") -> DeploymentConfig:
+    try:
+        return DeploymentConfig.model_validate(raw)
+    except ValidationError as exc:
+        lines = [format_error(err, raw) for err in exc.errors(include_url=False)]
+        raise ConfigError(f"{source}: " + ("\n".join(lines) if len(lines) == 1 else "\n  - " + "\n  - ".join(lines))) from None
+
+
+def format_error(err: dict[str, Any], raw: dict[str, Any]) -> str:
+    """One line: field, bad value, what is wrong and how to fix it."""
+    loc = [str(p) for p in err["loc"] if not _is_union_tag(p)]
+    field = ".".join(loc) or "(top level)"
+    if err["type"] == "extra_forbidden":
+        parent = _model_at(loc[:-1])
+        valid = ", ".join(parent.model_fields) if parent else "see the docs"
+        return f"unknown key '{field}'. Valid keys here: {valid}"
+    if err["type"] == "missing":
+        return f"'{field}' is required: add it (see examples/local.yaml)"
+    message = err["msg"].removeprefix("Value error, ")
+    if loc:
+        return f"'{field}' = {_short(err.get('input'))}: {message}"
+    return message
+
+
+def _is_union_tag(part: Any) -> bool:
+    return isinstance(part, str) and (part.startswith("literal[") or part in {"Layout", "function-after[_local_is_one_node(), ClusterSpec]"})
+
+
+def _model_at(loc: list[str]) -> type[BaseModel] | None:
+    model: type[BaseModel] = DeploymentConfig
+    for part in loc:
+        field = model.model_fields.get(part)
+        if field is None:
+            return None
+        annotation = field.annotation
+        candidates = getattr(annotation, "__args__", (annotation,))
+        model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        if model is None:
+            return None
+    return model
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -1,0 +1,104 @@
+"""Checks before anything starts: a bad model path, a busy port or a layout the model cannot take is
+reported as a ConfigError (exit code 2) with nothing started."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import shutil
+from pathlib import Path
+
+from hpcserve.core.config import BUILTIN_TINY, DeploymentConfig
+from hpcserve.core.errors import ConfigError
+from hpcserve.raycluster.ports import port_free
+
+
+def looks_like_path(spec: str) -> bool:
+    return spec.startswith(("/", ".", "~")) or os.path.exists(spec)
+
+
+def resolve_model_path(cfg: DeploymentConfig) -> str:
+    """The folder (or hub id) vLLM loads. The builtin tiny model is built here on first use. With
+    model.catalog the folder may be missing here or lack config.json (weights staged later, or only on the
+    compute nodes): the catalogue gives the planner the shape, so only a well-formed path is required."""
+    spec = cfg.model.path
+    if spec == BUILTIN_TINY:
+        from hpcserve.models.tiny import tiny_model_path
+
+        return str(tiny_model_path())
+    if spec.startswith("builtin:"):
+        raise ConfigError(f"'model.path' = {spec!r}: unknown builtin model; the only one is {BUILTIN_TINY}")
+    if looks_like_path(spec):
+        path = Path(spec).expanduser()
+        if cfg.model.catalog and not (path / "config.json").is_file():
+            from hpcserve.planning.catalog import lookup
+
+            lookup(cfg.model.catalog)  # an unknown name is the error to report, not the missing folder
+            return str(path.absolute())
+        if not path.is_dir():
+            raise ConfigError(f"'model.path' = {spec!r}: no such folder. Point it at a local model folder "
+                              f"(with config.json), a hub id like org/name, or {BUILTIN_TINY}")
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"'model.path' = {spec!r}: the folder has no config.json; is it a Hugging Face model folder?")
+        return str(path.resolve())
+    return spec  # a hub id: vLLM resolves it on the cluster
+
+
+def read_model_config(model_path: str) -> dict | None:
+    path = Path(model_path) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc}); the model folder is damaged") from None
+
+
+def model_config_for(cfg: DeploymentConfig, model_path: str) -> dict | None:
+    """The config.json the planner reads for this deployment: the checkpoint's (checked against model.catalog
+    when both exist: one ConfigError listing what differs), else the catalogue's, else None."""
+    from hpcserve.planning.catalog import resolve_config
+
+    return resolve_config(cfg.model.catalog, read_model_config(model_path), cfg.model.quantization)
+
+
+def check_weights_here(cfg: DeploymentConfig, model_path: str) -> None:
+    """With cluster.scheduler 'local' vLLM loads model.path on this machine: a catalogue name plans without
+    the weights, but serving needs them."""
+    if cfg.cluster.scheduler == "local" and looks_like_path(model_path) and not (Path(model_path) / "config.json").is_file():
+        raise ConfigError(f"'model.path' = {cfg.model.path!r}: no model folder with config.json here, and "
+                          "cluster.scheduler 'local' serves from this machine. Stage the weights there first "
+                          "(model.catalog lets `hpcserve plan` run without them)")
+
+
+def check_api_key(cfg: DeploymentConfig) -> None:
+    if cfg.serve.api_key_env is None and not is_loopback(cfg.serve.host):
+        raise ConfigError(f"'serve.host' = {cfg.serve.host!r} lets other users reach the endpoint, but "
+                          "'serve.api_key_env' is not set: name an environment variable holding the key "
+                          "(hpcserve generates one if the variable is empty)")
+
+
+def check_port(cfg: DeploymentConfig, replicas: int) -> None:
+    if cfg.cluster.scheduler != "local":
+        return  # ports on compute nodes are checked there
+    host = "127.0.0.1" if is_loopback(cfg.serve.host) else cfg.serve.host
+    for port in range(cfg.serve.port, cfg.serve.port + replicas):
+        if not port_free(port, host):
+            raise ConfigError(f"'serve.port' = {cfg.serve.port}: port {port} is already in use on this machine. "
+                              "Choose a free port, or stop what uses it (`hpcserve status` lists deployments)")
+
+
+def check_scheduler(cfg: DeploymentConfig) -> None:
+    if cfg.cluster.scheduler == "slurm" and not shutil.which("sbatch"):
+        raise ConfigError("'cluster.scheduler' = 'slurm' but sbatch is not on PATH: run on a login node, "
+                          "load the Slurm module, or use `hpcserve sandbox up` to try a local Slurm cluster")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,203 @@
+"""Replicas: N independent engines (each tensor x pipeline), placed on the Ray cluster and watched.
+
+mp executor: one vLLM process per node of a replica (vLLM's multi-node multiprocessing mode when a
+replica spans nodes), each inside a placement-group bundle spread across nodes (STRICT_SPREAD).
+ray executor: one vLLM API process per replica on its first node; vLLM places its workers itself
+through its own placement group on our Ray cluster.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hpcserve.core.config import DeploymentConfig, Layout, slots_per_node
+from hpcserve.engine.args import EngineRole, cpu_thread_binding, engine_argv
+from hpcserve.core.errors import StageError
+from hpcserve.engine.client import completion_probe, engine_error, health_ok
+
+
+@dataclass(frozen=True)
+class ReplicaShape:
+    index: int
+    nnodes: int
+    workers_per_node: int
+
+
+def replica_shapes(layout: Layout, slots: int) -> list[ReplicaShape]:
+    """How many nodes each replica spans and how many workers it puts on each. Pure."""
+    workers = layout.workers_per_replica
+    nnodes = 1 if workers <= slots else workers // slots
+    return [ReplicaShape(i, nnodes, workers // nnodes) for i in range(layout.replicas)]
+
+
+@dataclass
+class EngineProcess:
+    replica: int
+    rank: int
+    actor: object
+    hostname: str
+    address: str
+    log: Path
+    pid: int | None = None
+
+
+@dataclass
+class Replica:
+    index: int
+    url: str
+    processes: list[EngineProcess] = field(default_factory=list)
+    placement_group: object = None
+    placement_seconds: float = 0.0
+
+    def describe(self) -> dict:
+        return {"index": self.index, "url": self.url,
+                "nodes": [p.hostname for p in self.processes], "placement_s": round(self.placement_seconds, 3),
+                "processes": [{"rank": p.rank, "hostname": p.hostname, "address": p.address, "pid": p.pid,
+                               "log": str(p.log)} for p in self.processes]}
+
+
+class ReplicaSet:
+    def __init__(self, cfg: DeploymentConfig, layout: Layout, model_path: str, run_dir: Path,
+                 api_key: str | None, master_port: int, gcs_address: str):
+        self.cfg = cfg
+        self.layout = layout
+        self.model_path = model_path
+        self.run_dir = run_dir
+        self.api_key = api_key
+        self.master_port = master_port
+        self.gcs_address = gcs_address
+        self.replicas: list[Replica] = []
+
+    # ------------------------------------------------------------ start
+    def start(self) -> None:
+        for shape in replica_shapes(self.layout, slots_per_node(self.cfg.cluster)):
+            self.replicas.append(self._start_replica(shape))
+
+    def _start_replica(self, shape: ReplicaShape) -> Replica:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from hpcserve.engine.host import EngineHost
+
+        on_gpu = self.cfg.on_gpu
+        executor = self.cfg.executor
+        if executor == "ray":
+            # vLLM reserves the GPUs itself; our host only needs a place on some node.
+            bundles = [{"CPU": 0.01}]
+        elif on_gpu:
+            bundles = [{"CPU": 1, "GPU": shape.workers_per_node}] * shape.nnodes
+        else:
+            bundles = [{"CPU": shape.workers_per_node}] * shape.nnodes
+        strategy = "STRICT_SPREAD" if len(bundles) > 1 else "PACK"
+        pg = placement_group(bundles, strategy=strategy, name=f"hpcserve-replica-{shape.index}")
+        t0 = time.monotonic()
+        if not pg.wait(timeout_seconds=60):
+            raise StageError("engine", f"replica {shape.index}: Ray could not place {len(bundles)} bundle(s) "
+                             f"{bundles[0]} with {strategy} within 60 s: the nodes lack the free CPUs/GPUs "
+                             "(check `hpcserve check` and other replicas' use)", None)
+        hosts = []
+        for rank, bundle in enumerate(bundles):
+            actor = ray.remote(EngineHost).options(
+                num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
+                # Ray starts workers at nice 15, which a user cannot undo for the engine later; as
+                # Ray's own job supervisor does, ask for the job's niceness (engine/host.py says why).
+                runtime_env={"env_vars": {"RAY_worker_niceness": "0"}},
+            ).remote()
+            hosts.append(actor)
+        where = ray.get([h.where.remote() for h in hosts])
+        port = self.cfg.serve.port + shape.index
+        master = where[0]["address"]
+        replica = Replica(shape.index, f"http://{_client_host(self.cfg.serve.host, master)}:{port}", placement_group=pg)
+        replica.placement_seconds = time.monotonic() - t0
+        for rank, (actor, info) in enumerate(zip(hosts, where)):
+            role = EngineRole(replica=shape.index, port=port, tensor=self.layout.tensor, pipeline=self.layout.pipeline,
+                              executor=executor, nnodes=len(hosts), node_rank=rank, master_addr=master,
+                              master_port=self.master_port + shape.index)
+            log = self.run_dir / "engines" / f"replica{shape.index}-rank{rank}-{info['hostname']}.log"
+            proc = EngineProcess(shape.index, rank, actor, info["hostname"], info["address"], log)
+            # Ray executor: the API process must see the node's GPUs like a plain `vllm serve` (Ray gave
+            # this host none); vLLM's own Ray workers get theirs from vLLM's placement group.
+            proc.pid = ray.get(actor.start.remote(engine_argv(self.cfg, self.model_path, role),
+                                                  self._engine_env(shape), str(log), executor == "ray"))
+            replica.processes.append(proc)
+        return replica
+
+    def _engine_env(self, shape: ReplicaShape) -> dict[str, str]:
+        env = dict(self.cfg.engine.env)
+        # vLLM 0.26's Ray executor picks its torch.distributed store port from a window above this one
+        # (starting at port 100 when unset): replicas on one node must not share the window.
+        env.setdefault("VLLM_DP_MASTER_PORT", str(self.master_port + 100 + 40 * shape.index))
+        if self.api_key:
+            env["VLLM_API_KEY"] = self.api_key
+        if self.cfg.executor == "ray":
+            env["RAY_ADDRESS"] = self.gcs_address
+        if not self.cfg.on_gpu and "VLLM_CPU_OMP_THREADS_BIND" not in env:
+            binding = cpu_thread_binding(shape.workers_per_node, sorted(os.sched_getaffinity(0)))
+            if binding:
+                env["VLLM_CPU_OMP_THREADS_BIND"] = binding
+        return env
+
+    # ------------------------------------------------------------ readiness
+    def wait_ready(self, timeout_s: float) -> dict[int, str]:
+        """Until every replica answered a real completion; fails fast when an engine process exits."""
+        deadline = time.monotonic() + timeout_s
+        answers: dict[int, str] = {}
+        while len(answers) < len(self.replicas):
+            self.raise_if_dead()
+            for replica in self.replicas:
+                if replica.index in answers or not health_ok(replica.url):
+                    continue
+                try:
+                    answers[replica.index] = completion_probe(replica.url, self.cfg.model.name, self.api_key)
+                except Exception:  # noqa: BLE001 - not ready yet; the deadline decides
+                    pass
+            if time.monotonic() > deadline:
+                waiting = [r for r in self.replicas if r.index not in answers]
+                raise StageError("engine", f"replica {waiting[0].index} at {waiting[0].url} gave no completion "
+                                 f"within {timeout_s:.0f} s", str(waiting[0].processes[0].log))
+            time.sleep(0.5)
+        return answers
+
+    def processes(self) -> list[EngineProcess]:
+        return [p for r in self.replicas for p in r.processes]
+
+    def dead_processes(self) -> list[tuple[EngineProcess, int]]:
+        import ray
+
+        procs = self.processes()
+        codes = ray.get([p.actor.returncode.remote() for p in procs])
+        return [(p, c) for p, c in zip(procs, codes) if c is not None]
+
+    def raise_if_dead(self) -> None:
+        dead = self.dead_processes()
+        if dead:
+            proc, code = dead[0]
+            text = proc.log.read_text(errors="replace") if proc.log.exists() else ""
+            raise StageError("engine", f"replica {proc.replica} rank {proc.rank} on {proc.hostname} exited with "
+                             f"code {code}: {engine_error(text)}", str(proc.log))
+
+    # ------------------------------------------------------------ stop
+    def stop(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        pending = [p.actor.stop.remote() for p in self.processes()]
+        try:
+            ray.get(pending, timeout=60)
+        except Exception:  # noqa: BLE001 - the actors' deaths kill their engines (PDEATHSIG)
+            pass
+        for replica in self.replicas:
+            for proc in replica.processes:
+                ray.kill(proc.actor)
+            if replica.placement_group is not None:
+                remove_placement_group(replica.placement_group)
+
+
+def _client_host(bind_host: str, node_address: str) -> str:
+    """Where clients reach a replica: the node's address, unless the engine binds one address."""
+    return node_address if bind_host in ("0.0.0.0", "::", "") else bind_host

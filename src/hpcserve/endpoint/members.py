@@ -1,0 +1,118 @@
+"""The replicas behind an endpoint come in members: each member is one ordinary deployment (a Slurm job,
+or a driver process in local mode) that serves one or more replicas. The endpoint's controller launches
+members, watches them, and puts their replicas into the router once they answered a real completion.
+
+A member runs the same driver as a deployment without a router, so a member alone is proven by the
+same tests; here are the member's settings (its own name, ports and run folder) and what the controller
+reads back from it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from hpcserve.core.config import DeploymentConfig, Layout, slots_per_node
+from hpcserve.deployment.replicas import replica_shapes
+from hpcserve.core.state import STATE_FILE, TIMELINE_FILE, Record, read_json
+
+# Replica ports of member slot k: serve.port + 1 + k * PORTS_PER_MEMBER + replica index. A slot is
+# reused once its member is gone, so the ports of a long-lived endpoint stay within a small window.
+PORTS_PER_MEMBER = 8
+ROLES = ("initial", "replacement", "scale-up", "successor")
+
+
+@dataclass
+class Member:
+    name: str
+    slot: int
+    role: str
+    layout: dict
+    record: dict  # the member's state.Record, as a dict (JSON in the controller's state)
+    launched: float = field(default_factory=time.time)
+    status: str = "launching"  # launching | serving | draining | stopping | gone | failed
+    backends: list[str] = field(default_factory=list)
+    ready_s: float | None = None  # launch to ready: the startup the walltime handover plans with
+    replaces: str | None = None
+    successor: str | None = None
+    error: dict | None = None
+    note: str = ""
+    retired: bool = False  # drained on purpose (scaled down, handed over): not replaced
+    end_time: str | None = None  # Slurm's EndTime of its job (the time limit), for the handover
+    group: int = 0  # 0: parallelism's shape; k: replica_groups[k - 1]
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.record["run_dir"])
+
+    def as_record(self) -> Record:
+        return Record(**self.record)
+
+    def state(self) -> dict:
+        return read_json(self.run_dir / STATE_FILE, {}) or {}
+
+    def timeline(self) -> list[dict]:
+        return read_json(self.run_dir / TIMELINE_FILE, []) or []
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> Member:
+        return cls(**data)
+
+
+def member_config(cfg: DeploymentConfig, name: str, slot: int, layout: Layout, results_dir: Path,
+                  group: int = 0) -> DeploymentConfig:
+    """The deployment a member runs: the endpoint's (changed as its replica group says), with its own
+    name, ports and results folder, and no router, autoscaler or groups of its own. On Slurm its engines
+    listen on every address of their node (the router on the submit host must reach them); the API key
+    guards them."""
+    serve = cfg.serve.model_copy(update={
+        "router": False, "port": cfg.serve.port + 1 + slot * PORTS_PER_MEMBER,
+        "host": "0.0.0.0" if cfg.cluster.scheduler == "slurm" else cfg.serve.host})
+    cluster, engine = cfg.cluster, cfg.engine
+    if group:
+        spec = cfg.replica_groups[group - 1]
+        cluster = spec.cluster(cluster)
+        engine = engine.model_copy(update={"args": [*engine.args, *spec.engine_args]})
+    nodes = sum(shape.nnodes for shape in replica_shapes(layout, slots_per_node(cluster)))
+    cluster = cluster.model_copy(update={"nodes": nodes})
+    return cfg.model_copy(update={"name": name, "serve": serve, "parallelism": layout, "autoscale": None,
+                                  "replica_groups": [], "cluster": cluster, "engine": engine,
+                                  "results_dir": str(results_dir)})
+
+
+def group_layouts(cfg: DeploymentConfig, base: Layout) -> list[tuple[int, Layout]]:
+    """The initial members: (group, one replica's layout) for each replica, parallelism's first."""
+    members = [(0, single_replica(base))] * base.replicas
+    for index, spec in enumerate(cfg.replica_groups, start=1):
+        members += [(index, spec.layout(base))] * spec.replicas
+    return members
+
+
+def free_slot(members: list[Member]) -> int:
+    taken = {m.slot for m in members if m.status not in ("gone", "failed")}
+    return next(slot for slot in range(len(members) + 1) if slot not in taken)
+
+
+def single_replica(layout: Layout) -> Layout:
+    """What autoscaling and replacements add: one more replica of the same shape."""
+    return Layout(tensor=layout.tensor, pipeline=layout.pipeline, replicas=1)
+
+
+def replica_urls(state: dict) -> list[str]:
+    return [r["url"] for r in state.get("replicas") or []]
+
+
+def described_replicas(members: list[Member], model: str) -> list[dict]:
+    """Every replica behind the router, as its member's driver describes it (nodes, processes, logs),
+    numbered across the endpoint and named by member; healthy: its member serves (in the pool)."""
+    out = []
+    for member in members:
+        described = {r["url"]: r for r in member.state().get("replicas") or []}
+        for url in member.backends:
+            out.append({**described.get(url, {}), "index": len(out), "url": url, "member": member.name,
+                        "model": model, "healthy": member.status == "serving"})
+    return out

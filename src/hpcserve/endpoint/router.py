@@ -1,0 +1,380 @@
+"""One stable OpenAI endpoint in front of every replica: vllm-router's data plane, hpcserve's control.
+
+    router = Router(host, port, api_key_file, log_path)
+    router.start(["http://10.0.0.5:8000", ...])   # own process group; returns once it answers
+    router.add(url)                 # a replica that already answered a real completion joins
+    router.remove(url, drain_s=30)  # no new requests; waits for its in-flight ones to finish
+    router.backends()               # [Backend(url, healthy, in_flight)]
+    router.stop()                   # SIGTERM to its process group by recorded PID, then SIGKILL
+
+What the data plane (vllm-router, Rust) does: proxying, streaming passed through chunk by chunk, the
+client's key checked at the router on every route (through router_main's validator, cached per token)
+and passed on to the engines, retries of failed requests on another backend (connection errors,
+408/429/5xx) with backoff, per-backend circuit breakers, /health checks, the backend choice (round_robin
+by default; power_of_two balances the router's in-flight counts, see router_main.POLICIES), its own
+Prometheus metrics, membership changes at run time (/add_worker, /remove_worker) that leave in-flight
+requests running.
+What we write by hand (neither vllm-router nor sglang-router does it): starting it without the key on a
+command line and checking that key (router_main), deciding membership (the control plane calls
+add/remove after a real completion probe), waiting for a removed backend to drain, load-aware choice
+from vLLM's /metrics (engine_load, backends_to_pause: both routers read sglang's /get_load, which vLLM
+does not have), and stopping the process by recorded PID. docs/benchmarks/router.md compares the two data planes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import httpx
+import psutil
+
+from hpcserve.core.errors import HpcserveError
+from hpcserve.monitoring.metrics import (FINISHED, KV_CACHE_USAGE, RUNNING, WAITING, parse_engine_metrics, peak,
+                                         total)
+from hpcserve.engine.client import completion_probe, health_ok
+
+LAUNCHER = "hpcserve.endpoint.router_main"
+PROCESS_TITLE = "hpcserve-router"  # router_main sets it: `ps` shows which process is the router
+POLL_S = 0.1
+
+
+class RouterError(HpcserveError):
+    """The router did not start, or refused or failed a membership change."""
+
+
+# ------------------------------------------------------------------ engine load (pure)
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """One engine's load from its vLLM /metrics (summed over its label sets)."""
+
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_cache_usage: float | None = None  # 0..1, the fullest KV cache of the engine
+    finished: float | None = None  # requests finished since the engine started (a counter)
+
+    @property
+    def in_flight(self) -> float:
+        return self.running + self.waiting
+
+
+def engine_load(metrics_text: str) -> EngineLoad:
+    """Parse vLLM's Prometheus text. Raises ValueError on text that is not Prometheus format."""
+    metrics = parse_engine_metrics(metrics_text)
+    return EngineLoad(total(metrics, RUNNING) or 0.0, total(metrics, WAITING) or 0.0, peak(metrics, *KV_CACHE_USAGE),
+                      total(metrics, FINISHED))
+
+
+def is_drained(load: EngineLoad) -> bool:
+    """Nothing running, nothing queued: the engine can be stopped without failing a request."""
+    return load.in_flight == 0
+
+
+def is_saturated(load: EngineLoad, max_waiting: float = 0.0, max_kv_usage: float = 0.95) -> bool:
+    """Requests queue in the engine, or its KV cache is nearly full: more requests there only wait.
+    For the control plane (scale-up decisions, capacity estimates); the data plane balances in-flight
+    counts itself."""
+    return load.waiting > max_waiting or (load.kv_cache_usage is not None and load.kv_cache_usage >= max_kv_usage)
+
+
+def backends_to_pause(loads: dict[str, EngineLoad | None], paused: set[str], max_waiting: float = 0.0,
+                      max_kv_usage: float = 0.95, resume_kv_usage: float = 0.85) -> set[str]:
+    """Load-aware choice from vLLM's /metrics, for a data plane that cannot read them: the backends to keep
+    out of the router's rotation now. A backend whose engine queues requests (waiting > max_waiting) or
+    whose KV cache is nearly full is paused while another one has room; it comes back once its queue is
+    empty and its KV cache below resume_kv_usage (the gap stops flapping). Never all of them: when every
+    backend is saturated, queueing anywhere beats refusing. A backend without load figures (None) is left
+    as it is (the probe decides about dead ones). Pure."""
+    def saturated(load: EngineLoad) -> bool:
+        return is_saturated(load, max_waiting, max_kv_usage)
+
+    def recovered(load: EngineLoad) -> bool:
+        return load.waiting == 0 and (load.kv_cache_usage is None or load.kv_cache_usage < resume_kv_usage)
+
+    now = set()
+    for url, load in loads.items():
+        was = url in paused
+        if load is None:
+            now |= {url} if was else set()
+        elif (was and not recovered(load)) or (not was and saturated(load)):
+            now.add(url)
+    return now if len(now) < len(loads) else set()
+
+
+def next_paused(pool: list[str], answered: set[str], loads: dict[str, EngineLoad | None], paused: set[str]) -> set[str]:
+    """The backends out of rotation after one round of the controller. Only backends whose last probe
+    answered are judged: pausing the one healthy backend because a dying one still "has room" would
+    leave the router with none. A paused backend whose probe failed stays paused (its probes decide
+    whether it leaves the pool): forgetting it would leave it out of the router for good, and a later
+    round could pause the last backend still in it. Backends gone from the pool are forgotten. Pure."""
+    judged = [url for url in pool if url in answered]
+    now = backends_to_pause({url: loads.get(url) for url in judged}, paused & set(judged))
+    return now | ((paused & set(pool)) - set(judged))
+
+
+# ------------------------------------------------------------------ the router process
+
+@dataclass(frozen=True)
+class Backend:
+    url: str
+    healthy: bool
+    in_flight: int  # requests the router has sent there and not finished
+
+
+def backends_from_json(data: dict) -> list[Backend]:
+    """The router's GET /workers answer. Pure."""
+    return [Backend(w["url"], bool(w.get("is_healthy")), max(0, int(w.get("load") or 0)))
+            for w in data.get("workers", [])]
+
+
+def launcher_argv(host: str, port: int, metrics_port: int, api_key_file: Path | None, policy: str,
+                  backends: Iterable[str] = (), python: str = sys.executable) -> list[str]:
+    """The router's command line: no secret on it (the key is read from its 0600 file)."""
+    argv = [python, "-m", LAUNCHER, "--host", host, "--port", str(port), "--metrics-port", str(metrics_port),
+            "--policy", policy]
+    for url in backends:
+        argv += ["--backend", url.rstrip("/")]
+    return argv + (["--api-key-file", str(api_key_file)] if api_key_file else [])
+
+
+class Router:
+    """The router process and its admin API. Not thread-safe; one controller drives it."""
+
+    def __init__(self, host: str, port: int, api_key_file: Path | None, log_path: Path, model: str | None = None,
+                 policy: str = "round_robin", metrics_port: int | None = None, python: str = sys.executable):
+        """api_key_file: a mode-0600 file with the key clients must send (and the engines expect); None
+        leaves the endpoint open. model: the served name, for probe()."""
+        self.host, self.port, self.policy, self.model = host, port, policy, model
+        self.api_key_file = Path(api_key_file) if api_key_file else None
+        self.log_path = Path(log_path)
+        self.metrics_port = metrics_port or _free_loopback_port()
+        self.python = python
+        self.pid: int | None = None
+        self._process: psutil.Popen | None = None
+        self._key: str | None = None
+        self._client = httpx.Client(timeout=httpx.Timeout(10.0, connect=2.0), trust_env=False)
+
+    @property
+    def url(self) -> str:
+        """The router's base URL; the OpenAI base URL is url + '/v1'."""
+        return f"http://{_url_host(self.host)}:{self.port}"
+
+    @property
+    def metrics_url(self) -> str:
+        """The router's own Prometheus metrics: on loopback only (no key check there)."""
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    # -------------------------------------------------------------- lifecycle
+
+    def start(self, backends: Iterable[str] = (), timeout_s: float = 60.0) -> None:
+        """Start the router (its own process group) with `backends` (engines that already answered a real
+        completion), and return once it answers and routes to them."""
+        backends = [url.rstrip("/") for url in backends]
+        if self.policy == "power_of_two" and len(backends) < 2:
+            raise RouterError("policy power_of_two needs at least 2 backends at start (vllm-router refuses "
+                              "fewer): start with them, or use round_robin")
+        self._key = self.api_key_file.read_text().strip() if self.api_key_file else None
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        argv = launcher_argv(self.host, self.port, self.metrics_port, self.api_key_file, self.policy, backends,
+                             self.python)
+        with open(self.log_path, "ab") as log:
+            self._process = psutil.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                         start_new_session=True)
+        self.pid = self._process.pid
+        deadline = time.monotonic() + timeout_s
+        while not self._answers():
+            if self._process.poll() is not None:
+                raise RouterError(f"the router exited with code {self._process.returncode} at start; "
+                                  f"its log: {self.log_path}: {_tail(self.log_path)}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RouterError(f"the router did not answer on {self.url} within {timeout_s:.0f} s; "
+                                  f"its log: {self.log_path}")
+            time.sleep(POLL_S)
+
+    def alive(self) -> bool:
+        return self.pid is not None and _is_router(self.pid)
+
+    def probe(self, timeout_s: float = 60.0) -> str:
+        """A real completion through the router (needs `model`); its text. Raises httpx errors or
+        RuntimeError, like readiness.completion_probe."""
+        if not self.model:
+            raise RouterError("probe() needs the served model name: Router(..., model=NAME)")
+        return completion_probe(self.url, self.model, self._key, timeout_s=timeout_s)
+
+    def ready(self) -> bool:
+        """At least one healthy backend (the router's /readiness)."""
+        try:
+            return self._client.get(f"{self.url}/readiness", headers=self._auth()).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.pid is not None:
+            stop_router(self.pid, timeout_s)
+        if self._process is not None:
+            try:
+                self._process.wait(timeout=1)  # reap it: no zombie left behind
+            except psutil.TimeoutExpired:
+                pass
+        self.pid, self._process = None, None
+
+    def close(self) -> None:
+        self._client.close()
+
+    # -------------------------------------------------------------- membership
+
+    def backends(self) -> list[Backend]:
+        response = self._admin("GET", "/workers")
+        return backends_from_json(response.json())
+
+    def add(self, url: str, timeout_s: float = 30.0) -> None:
+        """Add a backend and wait until the router routes to it. Call it only for an engine that already
+        answered a real completion (readiness.completion_probe): the router checks /health alone."""
+        url = url.rstrip("/")
+        if any(b.url == url for b in self.backends()):
+            return
+        if not health_ok(url):  # else vllm-router would hold the call for its whole startup timeout (30 s)
+            raise RouterError(f"{url} does not answer /health: not added to the router")
+        # vllm-router answers once the backend passed its /health (or refuses after its startup timeout)
+        self._admin("POST", "/add_worker", params={"url": url}, timeout=timeout_s + 5)
+        self._wait(lambda: any(b.url == url and b.healthy for b in self.backends()), timeout_s,
+                   f"the router did not take {url} within {timeout_s:.0f} s (see {self.log_path})")
+
+    def remove(self, url: str, drain_s: float = 30.0) -> bool:
+        """Take a backend out: no new requests go there at once; then wait up to drain_s for the requests
+        it still runs (its vLLM /metrics) to finish. True when it drained, False when drain_s ran out or
+        it no longer answers (a dead engine has nothing left to drain)."""
+        url = url.rstrip("/")
+        self._admin("POST", "/remove_worker", params={"url": url})
+        self._wait(lambda: all(b.url != url for b in self.backends()), 10.0,
+                   f"the router did not remove {url} within 10 s (see {self.log_path})")
+        deadline = time.monotonic() + drain_s
+        while True:
+            load = self.engine_load(url)
+            if load is None or is_drained(load):
+                return load is not None
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(POLL_S)
+
+    def engine_load(self, url: str, timeout_s: float = 2.0) -> EngineLoad | None:
+        """An engine's load from its /metrics; None when it does not answer."""
+        try:
+            response = self._client.get(f"{url.rstrip('/')}/metrics", headers=self._auth(), timeout=timeout_s)
+            return engine_load(response.text) if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    # -------------------------------------------------------------- helpers
+
+    def _auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self._key}"} if self._key else {}
+
+    def _admin(self, method: str, path: str, **kwargs) -> httpx.Response:
+        try:
+            response = self._client.request(method, f"{self.url}{path}", headers=self._auth(), **kwargs)
+        except httpx.HTTPError as exc:
+            raise RouterError(f"the router at {self.url} did not answer {method} {path}: {exc}") from exc
+        if response.status_code >= 400:
+            raise RouterError(f"the router refused {method} {path}: HTTP {response.status_code} {response.text[:200]}")
+        return response
+
+    def _answers(self) -> bool:
+        try:
+            return self._client.get(f"{self.url}/liveness", headers=self._auth(), timeout=1.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    @staticmethod
+    def _wait(condition, timeout_s: float, message: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            if time.monotonic() > deadline:
+                raise RouterError(message)
+            time.sleep(POLL_S)
+
+
+class Rotation:
+    """Load-aware rotation over a router (next_paused applied): which of the pool's backends take new
+    requests now. The controller drives it; benchmarks/router_capacity.py measures it alone."""
+
+    def __init__(self, router: Router):
+        self.router = router
+        self.paused: set[str] = set()  # in the pool, but out of the router's rotation for now
+
+    def update(self, pool: list[str], answered: set[str], loads: dict[str, EngineLoad | None]) -> None:
+        paused = next_paused(pool, answered, loads, self.paused)
+        # Resumed ones first: removing first would leave the router without a backend for the time an add
+        # takes (~60 ms), and it answers 503 "No available workers" meanwhile (seen on the sandbox).
+        for url in sorted(self.paused - paused):
+            if url not in pool:  # left the pool meanwhile: stays out
+                continue
+            try:
+                self.router.add(url)
+            except RouterError:  # it stopped answering since its probe: paused still, tried next round
+                paused = paused | {url}
+        if pool and set(pool) <= paused:  # a failed add broke "never all of them": pause nobody new
+            paused = paused & self.paused
+        for url in sorted(paused - self.paused):
+            self.router.remove(url, drain_s=0)
+        self.paused = paused
+
+
+def stop_router(pid: int, timeout_s: float = 10.0) -> bool:
+    """Stop a router by its recorded PID (another process may do it, e.g. `hpcserve down`): SIGTERM to
+    its process group, SIGKILL after timeout_s. Does nothing when that PID is no router of ours (gone,
+    or reused by another program). True when a router was stopped."""
+    if not _is_router(pid):
+        return False
+    for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            return True
+        try:
+            psutil.Process(pid).wait(timeout=wait_s)
+            return True
+        except psutil.TimeoutExpired:
+            continue
+        except psutil.NoSuchProcess:
+            return True
+    return not psutil.pid_exists(pid)
+
+
+def _is_router(pid: int) -> bool:
+    try:
+        process = psutil.Process(pid)
+        if process.status() == psutil.STATUS_ZOMBIE:
+            return False
+        cmdline = " ".join(process.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+    return LAUNCHER in cmdline or cmdline.startswith(PROCESS_TITLE)
+
+
+def _free_loopback_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _url_host(host: str) -> str:
+    if host in ("0.0.0.0", "::"):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
+
+
+def _tail(path: Path, chars: int = 400) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:].strip()
+    except OSError:
+        return "(no log)"

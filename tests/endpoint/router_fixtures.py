@@ -1,0 +1,111 @@
+"""Shared pieces of the router tests: backend processes started and stopped by PID, a key file,
+streaming reads with chunk arrival times, and a concurrent load that counts failures."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from helpers import free_port
+
+KEY = "router-test-key"
+
+
+def key_file(directory: Path, key: str = KEY) -> Path:
+    path = directory / "api_key"
+    path.write_text(key + "\n")
+    path.chmod(0o600)
+    return path
+
+
+def start_stub(name: str, log_dir: Path, token_delay_ms: float = 20.0, key: str = KEY) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    log = open(log_dir / f"stub-{name}.log", "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "hpcserve.testing.standin", "--port", str(port), "--name", name,
+                             "--token-delay-ms", str(token_delay_ms)], stdout=log, stderr=log,
+                            env={**os.environ, "HPCSERVE_STUB_API_KEY": key}, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"stub {name} did not start")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def headers(key: str = KEY) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def stream_times(base_url: str, body: dict, key: str = KEY, timeout: float = 120) -> tuple[list[float], list[str]]:
+    """POST a streamed request; return each SSE data line's arrival time (s since sent) and the lines."""
+    times, lines = [], []
+    start = time.monotonic()
+    with httpx.stream("POST", f"{base_url}/v1/{'chat/completions' if 'messages' in body else 'completions'}",
+                      json={**body, "stream": True}, headers=headers(key), timeout=timeout) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if line.startswith("data:"):
+                times.append(time.monotonic() - start)
+                lines.append(line)
+    return times, lines
+
+
+@dataclass
+class LoadResult:
+    ok: int = 0
+    failed: list[str] = field(default_factory=list)
+    served_by: dict[str, int] = field(default_factory=dict)
+
+
+def run_load(base_url: str, model: str, stop_event: threading.Event, workers: int = 4, max_tokens: int = 8,
+             key: str = KEY, prompt: str = "Hello, my name is") -> tuple[list[threading.Thread], LoadResult]:
+    """Non-streamed completions from `workers` threads until stop_event is set (bounded by it)."""
+    result, lock = LoadResult(), threading.Lock()
+
+    def loop(index: int) -> None:
+        with httpx.Client(timeout=120, trust_env=False) as client:
+            count = 0
+            while not stop_event.is_set():
+                count += 1
+                body = {"model": model, "prompt": f"{prompt} {index}-{count}", "max_tokens": max_tokens,
+                        "temperature": 0}
+                try:
+                    response = client.post(f"{base_url}/v1/completions", json=body, headers=headers(key))
+                    good = response.status_code == 200 and response.json().get("choices")
+                    error = None if good else f"HTTP {response.status_code}: {response.text[:200]}"
+                    by = response.headers.get("x-backend") if good else None  # the stub names itself
+                except httpx.HTTPError as exc:
+                    error, by = f"{type(exc).__name__}: {exc}", None
+                with lock:
+                    if error:
+                        result.failed.append(error)
+                    else:
+                        result.ok += 1
+                        result.served_by[str(by)] = result.served_by.get(str(by), 0) + 1
+
+    threads = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(workers)]
+    for thread in threads:
+        thread.start()
+    return threads, result

@@ -1,0 +1,84 @@
+"""The endpoint controller's decisions: leaving the pool, scaling, walltime handover, capacity weights."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from hpcserve.core.config import AutoscaleSpec
+from hpcserve.endpoint.decisions import (LoadSample, ProbeResult, decide_scale, handover_due, handover_lead_s,
+                                        replace_failed_launch, should_leave, update_idle_since)
+
+SPEC = AutoscaleSpec(min=1, max=3, target_queue=4, scale_up_after_s=10, scale_down_after_s=30)
+
+
+def samples(waiting_per_backend: float, times: range, backends=("a",)) -> list[LoadSample]:
+    return [LoadSample(t, {b: waiting_per_backend for b in backends}, {b: 1.0 for b in backends}) for t in times]
+
+
+def test_two_failed_probes_in_a_row_leave_the_pool():
+    ok, bad = ProbeResult(True), ProbeResult(False, "refused")
+    assert not should_leave([ok, bad])
+    assert should_leave([ok, bad, bad])
+    assert not should_leave([bad, bad, ok])
+    assert not should_leave([bad])
+
+
+def test_queue_above_target_for_the_whole_window_adds_a_replica():
+    decision = decide_scale(SPEC, samples(6, range(0, 12)), replicas=1, starting=0, idle_since={}, now=11)
+    assert decision.action == "up" and "waiting per replica" in decision.reason
+
+
+def test_a_short_burst_does_not_scale():
+    history = samples(1, range(0, 5)) + samples(9, range(5, 12))
+    assert decide_scale(SPEC, history, 1, 0, {}, now=11).action == "hold"
+    young = samples(9, range(5, 12))  # above target, but observed for less than the window
+    assert decide_scale(SPEC, young, 1, 0, {}, now=11).action == "hold"
+
+
+def test_no_second_scale_up_while_one_is_starting_and_none_past_max():
+    history = samples(9, range(0, 12), backends=("a", "b", "c"))
+    assert decide_scale(SPEC, history, 1, 1, {}, now=11).action == "hold"
+    at_max = decide_scale(SPEC, history, 3, 0, {}, now=11)
+    assert at_max.action == "hold" and "autoscale.max 3" in at_max.reason
+
+
+def test_below_min_scales_up_at_once():
+    decision = decide_scale(AutoscaleSpec(min=2, max=3), [], replicas=1, starting=0, idle_since={}, now=0)
+    assert decision.action == "up" and "fewer than autoscale.min 2" in decision.reason
+
+
+def test_the_longest_idle_replica_is_drained_but_never_below_min():
+    idle = {"a": 0.0, "b": 5.0}
+    down = decide_scale(SPEC, samples(0, range(30, 41), ("a", "b")), 2, 0, idle, now=40)
+    assert down.action == "down" and down.backend == "a"
+    assert decide_scale(SPEC, samples(0, range(30, 41)), 1, 0, {"a": 0.0}, now=40).action == "hold"
+
+
+def test_idle_since_resets_when_busy():
+    idle = update_idle_since({"a": 1.0, "b": 1.0}, LoadSample(9.0, {"a": 0, "b": 2}, {"a": 0, "b": 0}))
+    assert idle == {"a": 1.0, "b": 9.0}
+    assert update_idle_since({}, LoadSample(3.0, {"c": 0}, {"c": 0})) == {"c": 3.0}
+
+
+def test_a_request_finished_between_two_samples_is_not_idleness():
+    # Seen on the sandbox: quick requests every few seconds, each done between two samples, and the
+    # replica serving them was drained as "idle for 31 s". The finished counter tells.
+    before = LoadSample(8.0, {"a": 0, "b": 0}, {"a": 0, "b": 0}, {"a": 40.0, "b": 12.0})
+    now = LoadSample(9.0, {"a": 0, "b": 0}, {"a": 0, "b": 0}, {"a": 41.0, "b": 12.0})
+    assert update_idle_since({"a": 1.0, "b": 1.0}, now, before) == {"a": 9.0, "b": 1.0}
+
+
+def test_handover_lead_and_due():
+    assert handover_lead_s(100.0, None) == 210.0
+    assert handover_lead_s(100.0, 45.0) == 45.0
+    now = datetime(2026, 12, 1, 12, 0, 0)
+    assert handover_due("2026-12-01T12:03:00", now, lead_s=200)
+    assert not handover_due("2026-12-01T12:05:00", now, lead_s=200)
+    assert not handover_due("Unknown", now, lead_s=200) and not handover_due(None, now, lead_s=200)
+
+
+def test_a_failed_scale_up_or_successor_is_decided_again_not_replaced():
+    # Replacing it as well would launch two members where the autoscaler or the handover wants one.
+    assert not replace_failed_launch("scale-up")
+    assert not replace_failed_launch("successor")
+    assert replace_failed_launch("initial") and replace_failed_launch("replacement")
