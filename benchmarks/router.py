@@ -31,7 +31,7 @@ import httpx
 from hpcserve.benchmark.loadgen import LoadShape, RequestInput, run_load
 from hpcserve.engine.client import completion_probe
 from hpcserve.endpoint.router import Router
-from hpcserve.core.state import Endpoint
+from hpcserve.engine.client import Endpoint
 
 KEY = "router-bench-key"
 PROMPT = "The quick brown fox jumps over the lazy dog and keeps running through the"

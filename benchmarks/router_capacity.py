@@ -24,7 +24,8 @@ from pathlib import Path
 import httpx
 
 from hpcserve.engine.client import health_ok
-from hpcserve.endpoint.router import Rotation, Router
+from hpcserve.endpoint.rotation import Rotation
+from hpcserve.endpoint.router import Router
 from router import free_port, spawn, stop, wait_until  # benchmarks/router.py
 
 TOKENS, TOKEN_DELAY_MS = 16, 5.0

@@ -7,6 +7,7 @@
     down(name)      stop it; nothing stays running on any node
     status(name)    what is really running, checked now (process or job, endpoint health)
     logs(name)      the files of its run folder, by node and component
+    endpoints(target)  the OpenAI endpoints of a deployment (or a URL), with its key
 """
 
 from __future__ import annotations
@@ -17,15 +18,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from hpcserve.deployment import preflight
 from hpcserve.core.config import DeploymentConfig, Layout, load_config
-from hpcserve.core.errors import ConfigError, HpcserveError, StageError, UsageError
-from hpcserve.deployment.runs import ENDPOINT, job_info, launch, log_name, queue_line, runner_gone, stop
-from hpcserve.core.state import (API_KEY_SOURCE_FILE, STATE_FILE, TIMELINE_FILE, Record, forget, list_names,
-                            load_record, read_api_key, read_json, save_record)
+from hpcserve.core.errors import (
+    ConfigError,
+    HpcserveError,
+    NotFoundError,
+    StageError,
+    UsageError,
+)
+from hpcserve.core.files import read_json
+from hpcserve.core.keys import key_source, read_api_key
+from hpcserve.core.paths import RunPaths
+from hpcserve.core.registry import Record, forget, list_names, load_record, save_record
+from hpcserve.core.runstate import RunState, read_timeline
+from hpcserve.core.statuses import RunKind, RunStatus, Stage, StageEvent
 from hpcserve.core.timeline import stage_breakdown
+from hpcserve.deployment import preflight
+from hpcserve.deployment.driver import CHECK_ONLY_ENV
+from hpcserve.deployment.runs import launch, run_of
+from hpcserve.deployment.watch import StartWatch
+from hpcserve.endpoint.members import Member
+from hpcserve.endpoint.run import start_endpoint, stop_endpoint
+from hpcserve.engine.client import Endpoint, health_ok
+from hpcserve.monitoring.metrics import Gatherer
+from hpcserve.planning.planner import check_config_layout
 
-FINAL = {"ready", "failed", "stopped", "checked"}
+FOLLOW_POLL_S = 0.3
 
 
 @dataclass
@@ -40,7 +58,7 @@ class Event:
 class UpResult:
     name: str
     run_dir: Path
-    status: str
+    status: RunStatus
     replicas: list[dict] = field(default_factory=list)
     answer: str | None = None
     api_key_source: str | None = None
@@ -48,6 +66,7 @@ class UpResult:
     reason: str | None = None  # why it failed when the driver could not say (its job or process ended)
     stages: dict = field(default_factory=dict)  # where the time went: timeline.stage_breakdown
     endpoint: str | None = None  # the router's URL, when there is one
+    error: dict | None = None  # the failed stage, its diagnosis and the log to read
 
 
 # ------------------------------------------------------------------ up
@@ -66,8 +85,6 @@ def prepare(config: str | Path | DeploymentConfig) -> tuple[DeploymentConfig, st
     model_config = preflight.model_config_for(cfg, model_path)
     layout = cfg.parallelism if isinstance(cfg.parallelism, Layout) else None
     if layout and model_config:
-        from hpcserve.planning.planner import check_config_layout
-
         problems = check_config_layout(cfg, model_config, layout)
         if problems:
             raise ConfigError(f"{config_path}: parallelism {layout.tensor}x{layout.pipeline}x{layout.replicas} "
@@ -83,7 +100,7 @@ def up(config_path: str | Path | DeploymentConfig, on_event: Callable[[Event], N
     results = Path(cfg.results_dir).resolve()
     (results / "logs").mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    record = launch(cfg, results, module=ENDPOINT) if cfg.serve.router else launch(cfg, results)
+    record = start_endpoint(cfg, results) if cfg.serve.router else launch(cfg, results)
     save_record(record)
     try:
         result = follow(record, on_event, timeout_s or cfg.engine.startup_timeout_s + 600)
@@ -94,15 +111,13 @@ def up(config_path: str | Path | DeploymentConfig, on_event: Callable[[Event], N
             print(f"while stopping after the failure: {cleanup}", file=sys.stderr)
         raise
     result.seconds = time.monotonic() - started
-    if result.status != "ready":
+    if result.status is not RunStatus.READY:
         stop(record)
     return result
 
 
 def check(config_path: str | Path, on_event: Callable[[Event], None] | None = None) -> tuple[Path, dict | None]:
     """The distributed health check alone: Ray over the nodes, the check, everything stopped again."""
-    from hpcserve.deployment.driver import CHECK_ONLY_ENV
-
     cfg = load_config(config_path)
     preflight.check_scheduler(cfg)
     results = Path(cfg.results_dir).resolve()
@@ -111,71 +126,53 @@ def check(config_path: str | Path, on_event: Callable[[Event], None] | None = No
     try:
         result = follow(record, on_event, timeout_s=600)
     finally:
-        stop(record, grace_s=60)  # the driver stops Ray itself after the check; cancel only if it hangs
-    return result.run_dir, read_json(result.run_dir / "health.json")
+        run_of(record).stop(grace_s=60)  # the driver stops Ray itself after the check; cancel only if it hangs
+    return result.run_dir, read_json(RunPaths(result.run_dir).health)
 
 
 def follow(record: Record, on_event: Callable[[Event], None] | None, timeout_s: float) -> UpResult:
     """Report each stage as the driver writes it, until a final status or the deadline."""
-    run_dir = Path(record.run_dir)
-    seen = 0
+    watch = StartWatch(record, check_every_s=2.0)
     deadline = time.monotonic() + timeout_s
-    last_job_check = 0.0
-    queued = None
+    report = on_event or (lambda event: None)
     while True:
-        timeline = read_json(run_dir / TIMELINE_FILE, []) or []
-        for item in timeline[seen:]:
-            if on_event:
-                on_event(Event(item["stage"], item["event"], item.get("detail", ""), item["time"]))
-        seen = len(timeline)
-        state = read_json(run_dir / STATE_FILE, {}) or {}
-        status = state.get("status")
-        if status in FINAL:
-            return _result(record, state)
-        if time.monotonic() - last_job_check > 2:
-            last_job_check = time.monotonic()
-            gone = runner_gone(record)
-            queued = _report_queue(record, queued, on_event) if record.job_id and not seen else queued
-            if gone:
-                state = read_json(run_dir / STATE_FILE, {}) or {}
-                if state.get("status") in FINAL:
-                    return _result(record, state)
-                if on_event:
-                    on_event(Event("driver", "failed", gone, time.time()))
-                return UpResult(record.name, run_dir, "failed", reason=gone)
+        for item in watch.new_events():
+            report(Event(item["stage"], item["event"], item.get("detail", ""), item["time"]))
+        seen = watch.observe()
+        if seen.state.status.final:
+            return _result(record, seen.state)
+        if seen.queue and seen.queue.startswith("PENDING"):  # users otherwise stare at nothing
+            report(Event(Stage.QUEUE, StageEvent.WAITING, seen.queue, time.time()))
+        if seen.gone:
+            report(Event(Stage.DRIVER, StageEvent.FAILED, seen.gone, time.time()))
+            return UpResult(record.name, Path(record.run_dir), RunStatus.FAILED, reason=seen.gone)
         if time.monotonic() > deadline:
-            where = f" (job {record.job_id}: {queued})" if queued else ""
-            raise StageError(state.get("stage", "submitted"), f"not ready after {timeout_s:.0f} s{where}",
-                             str(run_dir / log_name(record)))
-        time.sleep(0.3)
+            where = f" (job {record.job_id}: {watch.queue})" if watch.queue else ""
+            raise StageError(seen.state.stage or Stage.SUBMITTED, f"not ready after {timeout_s:.0f} s{where}",
+                             str(run_of(record).log))
+        time.sleep(FOLLOW_POLL_S)
 
 
-def _report_queue(record: Record, last: str | None, on_event) -> str | None:
-    """While the job waits in the queue, say why (once per change): users otherwise stare at nothing."""
-    line = queue_line(record)
-    if line is None:
-        return last
-    if line != last and on_event and line.startswith("PENDING"):
-        on_event(Event("queue", "waiting", line, time.time()))
-    return line
-
-
-def _result(record: Record, state: dict) -> UpResult:
-    answers = (state.get("ready_check") or {}).get("answers") or {}
-    answer = next(iter(answers.values()), None) if answers else None
-    source = Path(record.run_dir) / API_KEY_SOURCE_FILE
-    timeline = read_json(Path(record.run_dir) / TIMELINE_FILE, []) or []
-    return UpResult(record.name, Path(record.run_dir), state["status"], state.get("replicas") or [], answer,
-                    source.read_text().strip() if source.exists() else None,
-                    stages=stage_breakdown(timeline, record.created, state.get("job_started")),
-                    endpoint=(state.get("endpoint") or {}).get("url"))
+def _result(record: Record, state: RunState) -> UpResult:
+    timeline = read_timeline(record.run_dir)
+    return UpResult(record.name, Path(record.run_dir), state.status, state.replicas, state.first_answer,
+                    key_source(record.run_dir),
+                    stages=stage_breakdown(timeline, record.created, state.job_started),
+                    endpoint=state.endpoint_url, error=state.error.to_dict() if state.error else None)
 
 
 # ------------------------------------------------------------------ down / stop
 
+def stop(record: Record, timeout_s: float = 90.0) -> list[int]:
+    """Stop a deployment; returns PIDs still alive afterwards (on this machine), which should be none."""
+    if record.kind is RunKind.ENDPOINT:
+        return stop_endpoint(record, timeout_s)
+    return run_of(record).stop(timeout_s)
+
+
 def down(name: str, timeout_s: float = 90.0) -> dict:
     record = load_record(name)
-    if record.kind == "endpoint":
+    if record.kind is RunKind.ENDPOINT:
         timeout_s += 90.0  # it stops its members (each up to a minute, in parallel), then the router
     left = stop(record, timeout_s)
     forget(name)
@@ -188,7 +185,7 @@ def down(name: str, timeout_s: float = 90.0) -> dict:
 class DeploymentStatus:
     name: str
     scheduler: str
-    status: str  # what the driver last wrote, corrected by what is alive now
+    status: RunStatus  # what the driver last wrote, corrected by what is alive now
     stage: str | None
     runner: str  # the driver process or the Slurm job, checked now
     run_dir: str
@@ -202,50 +199,38 @@ class DeploymentStatus:
 
 
 def is_running(record: Record) -> bool:
-    return runner_gone(record) is None
+    return run_of(record).gone() is None
 
 
 def status(name: str | None = None) -> list[DeploymentStatus]:
-    from hpcserve.engine.client import health_ok
-
-    names = [name] if name else list_names()
-    out = []
-    for n in names:
-        record = load_record(n)
-        state = read_json(Path(record.run_dir) / STATE_FILE, {}) or {}
-        gone = runner_gone(record)
-        current = state.get("status", "submitted")
-        if gone and current not in ("failed", "stopped"):
-            current = "dead"  # the file says otherwise, but nothing is running: say so
-        replicas = []
-        for rep in state.get("replicas") or []:
-            live = (not gone) and health_ok(rep["url"])
-            replicas.append({**rep, "healthy": live})
-        if current == "ready" and replicas and not all(r["healthy"] for r in replicas):
-            current = "degraded"
-        runner = gone or (f"{record.kind} pid {record.driver_pid}" if record.job_id is None else _job_line(record))
-        timeline = read_json(Path(record.run_dir) / TIMELINE_FILE, []) or []
-        stages = stage_breakdown(timeline, record.created, state.get("job_started"))
-        endpoint = (state.get("endpoint") or {}).get("url")
-        members = [member_line(m) for m in state.get("members") or []]
-        out.append(DeploymentStatus(n, record.scheduler, current, state.get("stage"), runner, record.run_dir,
-                                    replicas, state.get("error"), record.job_id, stages, endpoint, members,
-                                    state.get("decisions") or []))
-    return out
+    return [deployment_status(load_record(n)) for n in ([name] if name else list_names())]
 
 
-def member_line(member: dict) -> dict:
+def deployment_status(record: Record) -> DeploymentStatus:
+    state = RunState.read(record.run_dir)
+    run = run_of(record)
+    gone = run.gone()
+    current = state.status
+    if gone and not current.ended:
+        current = RunStatus.DEAD  # the file says otherwise, but nothing is running: say so
+    replicas = [{**rep, "healthy": (not gone) and health_ok(rep["url"])} for rep in state.replicas]
+    if current is RunStatus.READY and replicas and not all(r["healthy"] for r in replicas):
+        current = RunStatus.DEGRADED
+    stages = stage_breakdown(read_timeline(record.run_dir), record.created, state.job_started)
+    return DeploymentStatus(record.name, record.scheduler, current, state.stage, gone or run.runner_line(),
+                            record.run_dir, replicas, state.error.to_dict() if state.error else None,
+                            record.job_id, stages, state.endpoint_url,
+                            [member_line(Member.from_json(m)) for m in state.members],
+                            [d.to_dict() for d in state.decisions])
+
+
+def member_line(member: Member) -> dict:
     """What status shows of a member: name, role, state, where it runs, its replicas."""
-    record = member["record"]
-    return {"name": member["name"], "role": member["role"], "status": member["status"], "group": member.get("group", 0),
-            "runner": f"job {record['job_id']}" if record.get("job_id") else f"pid {record.get('driver_pid')}",
-            "backends": member.get("backends") or [], "ready_s": member.get("ready_s"), "note": member.get("note", ""),
-            "run_dir": record["run_dir"], "error": member.get("error")}
-
-
-def _job_line(record: Record) -> str:
-    info = job_info(record)
-    return f"job {record.job_id}: {info.describe()}" if info else f"job {record.job_id}: unknown to Slurm"
+    record = member.as_record()
+    return {"name": member.name, "role": member.role, "status": member.status, "group": member.group,
+            "runner": f"job {record.job_id}" if record.job_id else f"pid {record.driver_pid}",
+            "backends": member.backends, "ready_s": member.ready_s, "note": member.note,
+            "run_dir": record.run_dir, "error": member.error}
 
 
 # ------------------------------------------------------------------ logs
@@ -263,21 +248,52 @@ COMPONENTS = {
 
 def log_files(name: str, node: str | None = None, component: str | None = None) -> list[Path]:
     record = load_record(name)
-    run_dir = Path(record.run_dir)
+    paths = RunPaths(Path(record.run_dir))
     if component and component not in COMPONENTS:
         raise UsageError(f"unknown component '{component}': choose one of {', '.join(COMPONENTS)}")
     patterns = COMPONENTS[component] if component else [p for ps in COMPONENTS.values() for p in ps]
     # An endpoint's members keep their run folders inside its own (members/logs/NAME-...).
-    folders = [run_dir, *sorted(p for p in run_dir.glob("members/logs/*") if p.is_dir())]
+    folders = [paths.root, *paths.member_run_dirs()]
     files = sorted({f for d in folders for p in patterns for f in d.glob(p) if f.is_file()})
     if node:
-        files = [f for f in files if node in f.relative_to(run_dir).parts or node in f.name]
+        files = [f for f in files if node in f.relative_to(paths.root).parts or node in f.name]
     return files
 
+
+# ------------------------------------------------------------------ clients
 
 def api_key_for(name: str) -> str | None:
     """The key clients send to this deployment (from the generated file or the environment variable)."""
     return read_api_key(load_record(name).run_dir)
 
 
-__all__ = ["up", "down", "status", "log_files", "prepare", "api_key_for", "load_record", "HpcserveError"]
+def gatherer(name: str, max_age_s: float = 1.0) -> Gatherer:
+    """Live metrics of one deployment (replicas' /metrics, nodes' samples) for the dashboard and --watch."""
+    return Gatherer(name, status_fn=lambda n: status(n)[0], key_fn=_key_or_none, max_age_s=max_age_s)
+
+
+def _key_or_none(name: str) -> str | None:
+    try:
+        return api_key_for(name)
+    except (HpcserveError, OSError):
+        return None
+
+
+def endpoints(target: str, api_key: str | None = None) -> list[Endpoint]:
+    """A deployment name gives its endpoint (the router, when ready) or its replicas; a URL gives itself."""
+    if target.startswith(("http://", "https://")):
+        return [Endpoint(target.rstrip("/").removesuffix("/v1"), None, api_key)]
+    record = load_record(target)
+    state = RunState.read(record.run_dir)
+    key = api_key or read_api_key(record.run_dir)
+    model = state.replicas[0].get("model") if state.replicas else None
+    if state.endpoint_url and state.status is RunStatus.READY:  # one URL in front of every replica
+        return [Endpoint(state.endpoint_url, model, key)]
+    if not state.replicas:
+        raise NotFoundError(f"deployment '{target}' has no endpoint yet (stage: {state.stage or 'unknown'}); "
+                            f"see `hpcserve status {target}`")
+    return [Endpoint(r["url"], r.get("model"), key) for r in state.replicas]
+
+
+__all__ = ["up", "down", "status", "log_files", "prepare", "api_key_for", "endpoints", "load_record",
+           "HpcserveError", "Event", "UpResult", "DeploymentStatus", "RunStatus"]

@@ -22,12 +22,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-from hpcserve.benchmark.loadgen import LoadShape
-from hpcserve.benchmark.runner import BenchOptions, run_benchmark
-from hpcserve.core.state import Endpoint
-
 from helpers import free_port
+
+from hpcserve.benchmark.bench import BenchOptions, run_benchmark
+from hpcserve.benchmark.loadgen import LoadShape
+from hpcserve.engine.client import Endpoint
 
 INPUT_LEN, OUTPUT_LEN, CONCURRENCY, NUM_PROMPTS = 64, 32, 4, 120
 # Closed loop (fixed concurrency, no request rate): with Poisson arrivals the throughput of N requests is

@@ -2,8 +2,8 @@
 
 from test_cli_compare_plots import result  # noqa: E402 - a sibling test module (rootdir on sys.path)
 
-from hpcserve.workflows.baseline import report_lines, workers
 from hpcserve.core.config import parse_config
+from hpcserve.workflows.baseline import report_lines, workers
 
 CONFIG = parse_config({"name": "b", "model": {"path": "builtin:tiny-llama"},
                        "cluster": {"scheduler": "slurm", "nodes": 2, "gpus_per_node": 4},

@@ -5,11 +5,11 @@ from __future__ import annotations
 import typer
 from typer.testing import CliRunner
 
-from hpcserve.cli.bench import bench
 from hpcserve.benchmark.compare import Column, scaling_efficiency
 from hpcserve.benchmark.loadgen import LoadShape, RequestOutput
 from hpcserve.benchmark.plots import write_plots
 from hpcserve.benchmark.summary import BenchResult, BenchRun, RequestRecord, summarize
+from hpcserve.cli.bench import bench
 
 app = typer.Typer()
 app.command("bench")(bench)

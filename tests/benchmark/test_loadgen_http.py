@@ -12,9 +12,20 @@ from contextlib import asynccontextmanager
 import pytest
 from aiohttp import web
 
-from hpcserve.benchmark.loadgen import LoadShape, RequestInput, make_session, run_load, send_request
-from hpcserve.benchmark.runner import BenchmarkError, BenchOptions, discover_model, run_benchmark
-from hpcserve.core.state import Endpoint
+from hpcserve.benchmark.bench import (
+    BenchmarkError,
+    BenchOptions,
+    discover_model,
+    run_benchmark,
+)
+from hpcserve.benchmark.loadgen import (
+    LoadShape,
+    RequestInput,
+    make_session,
+    run_load,
+    send_request,
+)
+from hpcserve.engine.client import Endpoint
 
 
 class FakeServer:

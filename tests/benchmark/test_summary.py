@@ -8,8 +8,18 @@ import math
 import pytest
 
 from hpcserve.benchmark.loadgen import LoadShape, RequestOutput
-from hpcserve.benchmark.summary import (BenchResult, BenchRun, RequestRecord, first_errors, load_result, meets_slo,
-                                        parse_slo, percentile, summarize, tpot_s)
+from hpcserve.benchmark.summary import (
+    BenchResult,
+    BenchRun,
+    RequestRecord,
+    first_errors,
+    load_result,
+    meets_slo,
+    parse_slo,
+    percentile,
+    summarize,
+    tpot_s,
+)
 from hpcserve.core.errors import UsageError
 
 

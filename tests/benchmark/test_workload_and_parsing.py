@@ -8,11 +8,27 @@ import statistics
 
 import pytest
 
-from hpcserve.cli.bench import build_loads, parse_int_list, parse_rate_list, read_api_key
-from hpcserve.benchmark.loadgen import LoadShape, RequestInput, _StreamTimer, completion_body, parse_sse_line
-from hpcserve.benchmark.runner import BenchOptions
-from hpcserve.benchmark.workload import (LengthRange, arrival_offsets, load_dataset, parse_length_range,
-                                         random_token_prompts)
+from hpcserve.benchmark.bench import BenchOptions
+from hpcserve.benchmark.loadgen import (
+    LoadShape,
+    RequestInput,
+    _StreamTimer,
+    completion_body,
+    parse_sse_line,
+)
+from hpcserve.benchmark.workload import (
+    LengthRange,
+    arrival_offsets,
+    load_dataset,
+    parse_length_range,
+    random_token_prompts,
+)
+from hpcserve.cli.bench import (
+    build_loads,
+    parse_int_list,
+    parse_rate_list,
+    read_api_key,
+)
 from hpcserve.core.errors import UsageError
 
 

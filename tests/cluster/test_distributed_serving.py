@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-from contextlib import contextmanager
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
-
 from helpers import run_cli, write_config
 from test_slurm_ray import squeue_empty
 

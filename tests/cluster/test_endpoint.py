@@ -20,10 +20,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from helpers import HPCSERVE, run_cli, write_config
-from hpcserve.monitoring.metrics import FINISHED, parse_engine_metrics, total
 from test_distributed_serving import deployed, status_of
+
+from hpcserve.engine.metrics import FINISHED, parse_engine_metrics, total
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 HERE = Path(__file__).parent

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from helpers import run_cli, write_config
 from test_distributed_serving import deployed, greedy_ids
 from test_slurm_ray import squeue_empty

@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from helpers import run_cli, write_config
 
 pytestmark = pytest.mark.sandbox

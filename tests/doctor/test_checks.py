@@ -7,8 +7,18 @@ import json
 import pytest
 
 from hpcserve.core.config import parse_config
-from hpcserve.doctor.checks import (Captured, check_accounting, check_commands, check_controller, check_partition,
-                                    check_submission, check_time, gpu_count, parse_sinfo, slurm_seconds)
+from hpcserve.doctor.checks import (
+    Captured,
+    check_accounting,
+    check_commands,
+    check_controller,
+    check_partition,
+    check_submission,
+    check_time,
+    gpu_count,
+    parse_sinfo,
+    slurm_seconds,
+)
 from hpcserve.doctor.findings import Severity, exit_code, ok, warning
 from hpcserve.doctor.probe import MARKER, check_probe, probe_argv
 from hpcserve.site.profiles import profile_for

@@ -15,11 +15,10 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from helpers import write_config
 
 pytestmark = pytest.mark.sandbox
-DOCTOR = [sys.executable, "-m", "hpcserve.doctor"]
+DOCTOR = [sys.executable, "-m", "hpcserve.cli", "doctor"]
 
 
 @pytest.fixture()

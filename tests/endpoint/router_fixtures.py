@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-
 from helpers import free_port
 
 KEY = "router-test-key"

@@ -5,8 +5,16 @@ from __future__ import annotations
 from datetime import datetime
 
 from hpcserve.core.config import AutoscaleSpec
-from hpcserve.endpoint.decisions import (LoadSample, ProbeResult, decide_scale, handover_due, handover_lead_s,
-                                        replace_failed_launch, should_leave, update_idle_since)
+from hpcserve.endpoint.decisions import (
+    LoadSample,
+    ProbeResult,
+    decide_scale,
+    handover_due,
+    handover_lead_s,
+    replace_failed_launch,
+    should_leave,
+    update_idle_since,
+)
 
 SPEC = AutoscaleSpec(min=1, max=3, target_queue=4, scale_up_after_s=10, scale_down_after_s=30)
 

@@ -12,14 +12,27 @@ import time
 import httpx
 import psutil
 import pytest
-
-from hpcserve.endpoint.router import (EngineLoad, Rotation, Router, RouterError, backends_from_json, backends_to_pause,
-                                     engine_load, is_drained, is_saturated, launcher_argv, next_paused,
-                                     stop_router)
-from hpcserve.endpoint.router_main import read_key_file
-
 from helpers import free_port
-from router_fixtures import KEY, headers, key_file, run_load, start_stub, stop, stream_times
+from router_fixtures import (
+    KEY,
+    headers,
+    key_file,
+    run_load,
+    start_stub,
+    stop,
+    stream_times,
+)
+
+from hpcserve.endpoint.rotation import Rotation, backends_to_pause, next_paused
+from hpcserve.endpoint.router import (
+    Router,
+    RouterError,
+    backends_from_json,
+    launcher_argv,
+    stop_router,
+)
+from hpcserve.endpoint.router_main import read_key_file
+from hpcserve.engine.metrics import EngineLoad, engine_load, is_drained, is_saturated
 
 VLLM_METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge

@@ -14,12 +14,11 @@ import time
 
 import httpx
 import pytest
-
-from hpcserve.engine.client import completion_probe
-from hpcserve.endpoint.router import Router
-
 from helpers import free_port
 from router_fixtures import KEY, headers, key_file, run_load, stream_times
+
+from hpcserve.endpoint.router import Router
+from hpcserve.engine.client import completion_probe
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny"
@@ -171,7 +170,7 @@ def test_spread_drain_kill_and_add(router, engines):
 
 
 def _idle():
-    from hpcserve.endpoint.router import EngineLoad
+    from hpcserve.engine.metrics import EngineLoad
 
     return EngineLoad()
 

@@ -10,7 +10,12 @@ import sys
 import pytest
 
 from hpcserve.engine.host import (
-    NODE_GPUS_ENV, RAY_JEMALLOC_MARK, JobProcess, _child_setup, engine_environment, read_job_process,
+    NODE_GPUS_ENV,
+    RAY_JEMALLOC_MARK,
+    JobProcess,
+    _child_setup,
+    engine_environment,
+    read_job_process,
 )
 
 JOB = {"PATH": "/usr/bin", "HOME": "/home/u", "VLLM_HOST_IP": "10.0.0.5", "CUDA_VISIBLE_DEVICES": "0,1",

@@ -1,6 +1,6 @@
 """Pure parts of readiness: the engine's own error message, picked from its log."""
 
-from hpcserve.engine.client import engine_error
+from hpcserve.engine.logs import engine_error
 
 PYDANTIC_LOG = """INFO 11-30 starting
 Traceback (most recent call last):

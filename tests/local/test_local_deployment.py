@@ -12,7 +12,6 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-
 from helpers import REPO, alive, free_port, process_tree, run_cli, write_config
 
 pytestmark = pytest.mark.slow

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from helpers import REPO, free_port, run_cli, write_config
 
 pytestmark = pytest.mark.slow

@@ -14,10 +14,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from helpers import REPO, free_port, run_cli, write_config
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
-
-from helpers import REPO, free_port, run_cli, write_config
 
 pytestmark = pytest.mark.slow
 NAME = "t-monitor"
@@ -115,7 +114,7 @@ def test_api_status_and_watch_view(monitor):
     assert [(r["index"], r["up"], r["healthy"]) for r in status["replicas"]] == [(0, True, True)]
     assert status["nodes"] and not status["nodes"][0]["stale"]
 
-    from hpcserve.monitoring.watch import watch
+    from hpcserve.cli.watch import watch
 
     console = Console(record=True, width=200)
     watch(NAME, interval=0.1, console=console, iterations=1)

@@ -8,16 +8,32 @@ import types
 
 import httpx
 import pytest
+from monitoring_fakes import REPLICA, TEXT, Replicas, fake_status, sample, with_tokens
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hpcserve.core.errors import NotFoundError
-from hpcserve.monitoring.metrics import (GENERATION_TOKENS, KV_CACHE_USAGE, RUNNING, Gatherer, NodeMetrics, Snapshot,
-                                         counter_rate, last_lines, node_metrics, parse_engine_metrics, peak,
-                                         replica_down, replica_from_text, tail_samples, total, with_rates)
+from hpcserve.engine.metrics import (
+    GENERATION_TOKENS,
+    KV_CACHE_USAGE,
+    RUNNING,
+    counter_rate,
+    parse_engine_metrics,
+    peak,
+    total,
+)
+from hpcserve.monitoring.metrics import (
+    Gatherer,
+    NodeMetrics,
+    Snapshot,
+    last_lines,
+    node_metrics,
+    replica_down,
+    replica_from_text,
+    tail_samples,
+    with_rates,
+)
 from hpcserve.monitoring.prometheus import DeploymentCollector, families
-from monitoring_fakes import REPLICA, TEXT, Replicas, fake_status, sample, with_tokens
-
 
 # ------------------------------------------------------------------ parsing
 

@@ -7,13 +7,19 @@ import json
 
 import httpx
 import pytest
+from monitoring_fakes import Replicas, fake_status, sample
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
-from monitoring_fakes import Replicas, fake_status, sample
 
+from hpcserve.cli.watch import render, watch
 from hpcserve.monitoring.metrics import Gatherer
-from hpcserve.monitoring.server import MonitorServer, authorized, dashboard_html, is_loopback, required_key
-from hpcserve.monitoring.watch import render, watch
+from hpcserve.monitoring.server import (
+    MonitorServer,
+    authorized,
+    dashboard_html,
+    is_loopback,
+    required_key,
+)
 
 
 @pytest.fixture

@@ -8,12 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from hpcserve.deployment import preflight
 from hpcserve.core.config import ClusterSpec, Layout, parse_config
 from hpcserve.core.errors import ConfigError
+from hpcserve.deployment import preflight
 from hpcserve.planning import catalog
-from hpcserve.planning.model_shape import ModelShape, estimate_weights_bytes, total_params
+from hpcserve.planning.model_shape import (
+    ModelShape,
+    estimate_weights_bytes,
+    total_params,
+)
 from hpcserve.planning.planner import GIB, check_config_layout, plan, plan_for_config
+from hpcserve.planning.report import explain
 
 MODELS = Path(__file__).parents[1] / "data" / "models"
 A100_1x8 = ClusterSpec(scheduler="slurm", nodes=1, gpus_per_node=8, gpu_memory_gb=80)
@@ -153,12 +158,12 @@ def test_catalogue_plans_when_the_weights_are_not_here(tmp_path):
     p = plan_for_config(cfg, model_config)
     assert p.best_layout() == Layout(tensor=4, replicas=2)  # as from the real config.json
     assert plan_for_config(cfg, None).best_layout() == Layout(tensor=4, replicas=2)
-    text = "\n".join(p.explain())
+    text = "\n".join(explain(p))
     assert "Catalogue: llama-3.1-70b (the shape of meta-llama/Llama-3.1-70B-Instruct); read from the catalogue" in text
     assert "Recommended" not in text  # max_model_len is set, dtype auto
     raw = deployment(str(tmp_path), catalog="llama-3.1-70b-awq", dtype="bfloat16")
     del raw["model"]["max_model_len"]
-    text = "\n".join(plan_for_config(parse_config(raw), None).explain())
+    text = "\n".join(explain(plan_for_config(parse_config(raw), None)))
     assert "Recommended: model.max_model_len: 16384 (unset, vLLM takes the model's 131,072" in text
     assert "Recommended: model.dtype: float16 (vLLM's awq kernels take float16 activations, not bfloat16)" in text
     assert "Catalogue: llama-3.1-70b-awq (the shape of meta-llama/Llama-3.1-70B-Instruct, awq weights)" in text

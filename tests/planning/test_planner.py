@@ -13,11 +13,21 @@ from rich.table import Table
 from hpcserve.core.config import ClusterSpec, Layout, parse_config
 from hpcserve.core.errors import ConfigError
 from hpcserve.planning.model_shape import (
-    ModelShape, estimate_weights_bytes, kv_bytes_per_token, resolve_dtype, total_params,
+    ModelShape,
+    estimate_weights_bytes,
+    kv_bytes_per_token,
+    resolve_dtype,
+    total_params,
 )
 from hpcserve.planning.planner import (
-    GIB, check_layout, evaluate, plan, plan_for_config, render_plan_table, tp_efficiency,
+    GIB,
+    check_layout,
+    evaluate,
+    plan,
+    plan_for_config,
+    tp_efficiency,
 )
+from hpcserve.planning.report import explain, render_plan_table
 
 MODELS = Path(__file__).parents[1] / "data" / "models"
 DATA = Path(__file__).parent / "data"
@@ -192,7 +202,7 @@ def test_plan_with_no_fitting_layout_says_why():
     assert p.best is None
     with pytest.raises(ConfigError, match="too little memory: 131.4 GiB of weights"):
         p.best_layout()
-    assert any("No layout fits" in line for line in p.explain())
+    assert any("No layout fits" in line for line in explain(p))
 
 
 def test_kv_too_small_for_max_model_len_is_rejected():
@@ -257,7 +267,7 @@ def test_unknown_option_lists_valid_ones():
 # ---------------------------------------------------------------- what users read
 
 def test_explain_names_weights_kv_capacity_concurrency_and_runner_up():
-    lines = plan(shape("llama-3.1-8b"), A100_1x8, max_model_len=8192).explain()
+    lines = explain(plan(shape("llama-3.1-8b"), A100_1x8, max_model_len=8192))
     text = "\n".join(lines)
     assert "Best: tensor 1 x pipeline 1 x replicas 8 (8 GPUs)" in text
     assert "Weights: 15.0 GiB per GPU" in text
@@ -267,7 +277,7 @@ def test_explain_names_weights_kv_capacity_concurrency_and_runner_up():
 
 
 def test_explain_says_when_kv_capacity_decides():
-    text = "\n".join(plan(shape("llama-3.1-70b"), A100_1x8).explain())
+    text = "\n".join(explain(plan(shape("llama-3.1-70b"), A100_1x8)))
     assert "holds only 3.7 sequences of max_model_len" in text
 
 

@@ -13,7 +13,8 @@ from hpcserve.core.config import ClusterSpec, Layout, parse_config
 from hpcserve.core.errors import ConfigError
 from hpcserve.planning import throughput
 from hpcserve.planning.model_shape import ModelShape
-from hpcserve.planning.planner import evaluate, plan, plan_for_config, render_plan_table
+from hpcserve.planning.planner import evaluate, plan, plan_for_config
+from hpcserve.planning.report import explain, render_plan_table
 
 MODELS = Path(__file__).parents[1] / "data" / "models"
 LLAMA_8B = ModelShape.from_config(json.loads((MODELS / "llama-3.1-8b.json").read_text()))
@@ -73,7 +74,7 @@ def test_kv_factor_applies_under_load_as_at_capacity():
     assert tp4.score == pytest.approx(tp4.capacity * tp4.load_factor)
     assert tp4.kv_factor == pytest.approx(3.7 / 16, abs=0.01)
     assert p.best_layout() == Layout(tensor=8, replicas=1)
-    assert "holds only 3.7 sequences of max_model_len" in "\n".join(p.explain())
+    assert "holds only 3.7 sequences of max_model_len" in "\n".join(explain(p))
 
 
 def test_70b_on_one_node_tp8_at_moderate_load_two_tp4_replicas_at_high_load():
@@ -112,7 +113,7 @@ def test_plan_for_config_reads_serve_expected_concurrency_and_explains_it():
     cfg = parse_config(deployment(serve={"expected_concurrency": 32}))
     p = plan_for_config(cfg, json.loads((MODELS / "llama-3.1-8b.json").read_text()))
     assert p.settings.expected_concurrency == 32 and p.best_layout() == TP2
-    text = "\n".join(p.explain())
+    text = "\n".join(explain(p))
     assert "Load: 32 requests in flight in all (expected concurrency), 32.0 per replica" in text
     assert "At capacity (saturated) tensor 1 x pipeline 1 x replicas 2 would win" in text
     assert "with 16.0 in flight per replica its replicas reach 0.12 of their peak against 0.21" in text
@@ -126,7 +127,7 @@ def test_autoscale_scores_replicas_at_a_full_batch():
     assert p.settings.expected_concurrency is None and p.settings.replica_concurrency == 68
     assert all(c.batch_per_replica == 64 for c in p.ranked)
     assert p.best_layout() == TWO_TP1  # saturated replicas: the capacity ranking
-    assert "(autoscale: a full batch plus the queue target)" in "\n".join(p.explain())
+    assert "(autoscale: a full batch plus the queue target)" in "\n".join(explain(p))
 
 
 def test_expected_concurrency_wins_over_autoscale():

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 from hpcserve.sandbox.cluster import Sandbox
-from hpcserve.sandbox.slurmfiles import (SETTINGS_FILE, gres_conf, hosts_file, nsswitch_files_only,
-                                         render_files, slurm_conf)
+from hpcserve.sandbox.slurmfiles import (
+    SETTINGS_FILE,
+    gres_conf,
+    hosts_file,
+    nsswitch_files_only,
+    render_files,
+    slurm_conf,
+)
 
 
 def test_slurm_conf_names_every_node_with_its_address_and_gpus():

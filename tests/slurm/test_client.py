@@ -12,7 +12,12 @@ from pathlib import Path
 import pytest
 
 from hpcserve.core.errors import SlurmError, UsageError
-from hpcserve.slurm.client import JobWaitTimeout, SlurmClient, SlurmJobNotFound, log_folders
+from hpcserve.slurm.client import (
+    JobWaitTimeout,
+    SlurmClient,
+    SlurmJobNotFound,
+    log_folders,
+)
 from hpcserve.slurm.states import JobState
 
 CAPTURED = Path(__file__).parent / "data" / "captured"

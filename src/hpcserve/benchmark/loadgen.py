@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from hpcserve.core.state import Endpoint
+from hpcserve.core.keys import bearer
+from hpcserve.engine.client import Endpoint
 
 CONNECT_TIMEOUT_S = 10.0
 ERROR_BODY_CHARS = 300
@@ -98,8 +99,6 @@ def completion_body(model: str, request: RequestInput, ignore_eos: bool) -> dict
     }
 
 
-def auth_headers(api_key: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 def parse_sse_line(line: bytes) -> dict | None:
@@ -157,7 +156,7 @@ async def send_request(session: aiohttp.ClientSession, endpoint: Endpoint, reque
     body = completion_body(endpoint.model or "", request, ignore_eos)
     try:
         async with session.post(f"{endpoint.base_url}/v1/completions", json=body,
-                                headers=auth_headers(endpoint.api_key)) as response:
+                                headers=bearer(endpoint.api_key)) as response:
             if response.status != 200:
                 text = (await response.read()).decode(errors="replace")[:ERROR_BODY_CHARS]
                 return timer.failure(f"HTTP {response.status}: {text}", run_start)

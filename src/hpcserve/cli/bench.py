@@ -13,14 +13,23 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
+from hpcserve import api
+from hpcserve.benchmark.bench import BenchOptions, run_benchmark
+from hpcserve.benchmark.compare import compare_files
 from hpcserve.benchmark.loadgen import LoadShape, RequestOutput
-from hpcserve.benchmark.runner import BenchOptions, run_benchmark
+from hpcserve.benchmark.plots import write_plots
+from hpcserve.benchmark.report import error_lines, summary_table
 from hpcserve.benchmark.summary import BenchResult, parse_slo
 from hpcserve.benchmark.workload import LengthRange, parse_length_range
 from hpcserve.core.errors import HpcserveError, UsageError
-from hpcserve.core.state import resolve_endpoint
 
 
 def parse_int_list(option: str, text: str) -> list[int]:
@@ -83,7 +92,6 @@ def _progress_bar(console: Console) -> Progress:
 
 
 def _show(result: BenchResult, console: Console) -> None:
-    from hpcserve.benchmark.report import error_lines, summary_table
 
     console.print(summary_table(result))
     for line in error_lines(result):
@@ -91,7 +99,6 @@ def _show(result: BenchResult, console: Console) -> None:
 
 
 def _compare(files: list[str], console: Console) -> None:
-    from hpcserve.benchmark.compare import compare_files
 
     if len(files) < 2:
         raise UsageError("--compare needs at least two results files: hpcserve bench --compare A.json B.json")
@@ -150,7 +157,7 @@ def bench(
                            model, slo, seed, timeout, gpus)
         _check_out_folder(out)
         key = read_api_key(api_key_env)
-        endpoints = [endpoint for target in targets for endpoint in resolve_endpoint(target, key)]
+        endpoints = [endpoint for target in targets for endpoint in api.endpoints(target, key)]
         with _progress_bar(errors) as bar:
             result = run_benchmark(endpoints, options, target=" ".join(targets), command=sys.argv,
                                    progress=RichProgress(bar))
@@ -175,7 +182,6 @@ def _save(result: BenchResult, out: Path | None, plots: Path | None, console: Co
         result.save(out)
         console.print(f"results: {out}")
     if plots:
-        from hpcserve.benchmark.plots import write_plots
 
         for path in write_plots(result, plots):
             console.print(f"plot: {path}")

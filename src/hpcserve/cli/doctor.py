@@ -1,10 +1,9 @@
 """`hpcserve doctor CONFIG [--site FILE] [--json]`: a thin typer layer over run_doctor (mounted by
-hpcserve.cli.main; `python -m hpcserve.doctor` runs the same). Exit code 2 when a blocker was found."""
+hpcserve.cli.main). Exit code 2 when a blocker was found."""
 
 from __future__ import annotations
 
 import contextlib
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -12,6 +11,10 @@ import typer
 from rich.console import Console
 
 from hpcserve.core.errors import HpcserveError
+from hpcserve.doctor.diagnose import run_doctor
+from hpcserve.doctor.findings import exit_code
+from hpcserve.doctor.report import findings_json, findings_table, summary_line
+from hpcserve.site.files import load_with_site
 
 SiteOption = typer.Option(None, "--site", help="YAML file with the site section (runtime, image, "
                           "container_command, binds, gres); replaces the config's site:", show_default=False)
@@ -24,10 +27,6 @@ def doctor(config: Path = typer.Argument(..., help="deployment YAML", show_defau
     controller, partition, GRES, account/QOS, the batch script (sbatch --test-only), and from inside the
     compute nodes (one short srun step): the model folder, Ray/vLLM imports, the serving port.
     Exit code 2 on a blocker, 0 otherwise (warnings allowed)."""
-    from hpcserve.doctor.findings import exit_code
-    from hpcserve.doctor.report import findings_json, findings_table, summary_line
-    from hpcserve.doctor.runner import run_doctor
-    from hpcserve.site.files import load_with_site
 
     out = Console(soft_wrap=True)
     try:
@@ -45,9 +44,3 @@ def doctor(config: Path = typer.Argument(..., help="deployment YAML", show_defau
                                            f"{cfg.site.runtime}{'' if cfg.site.gres else ', no GRES'})"))
         out.print(summary_line(findings), highlight=False)
     raise typer.Exit(exit_code(findings))
-
-
-def main() -> None:
-    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
-    app.command()(doctor)
-    app(sys.argv[1:], prog_name="hpcserve doctor")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -13,8 +14,29 @@ from rich.console import Console
 from rich.table import Table
 
 from hpcserve import api
+from hpcserve.benchmark.bench import BenchOptions
+from hpcserve.benchmark.loadgen import LoadShape
+from hpcserve.benchmark.workload import LengthRange
+from hpcserve.cli.bench import bench
+from hpcserve.cli.doctor import doctor
+from hpcserve.cli.monitor import monitor
+from hpcserve.cli.sandbox import app as sandbox_app
+from hpcserve.cli.watch import watch as live
+from hpcserve.core.config import Layout, load_config
 from hpcserve.core.errors import HpcserveError, UsageError
+from hpcserve.core.statuses import RunStatus, Stage, StageEvent
 from hpcserve.core.timeline import breakdown_line
+from hpcserve.deployment.preflight import model_config_for, resolve_model_path
+from hpcserve.deployment.runs import config_yaml
+from hpcserve.planning.catalog import listing
+from hpcserve.planning.planner import check_config_layout, plan_for_config
+from hpcserve.planning.report import explain, render_plan_table
+from hpcserve.raycluster.health import HealthReport, render_lines, render_table
+from hpcserve.site.files import load_with_site
+from hpcserve.slurm.render import render_batch_script
+from hpcserve.workflows.baseline import baseline as run_baseline
+from hpcserve.workflows.validate import report_lines, write_report
+from hpcserve.workflows.validate import validate as run_validation
 
 app = typer.Typer(
     help="Serve LLMs on HPC clusters: Slurm allocates, Ray connects the nodes, vLLM serves; each layer is "
@@ -37,8 +59,6 @@ def fail(exc: HpcserveError) -> None:
 
 def guarded(func):
     """Turn hpcserve's errors into one clear message and an exit code, never a traceback."""
-    import functools
-
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
         try:
@@ -54,8 +74,8 @@ def guarded(func):
 
 # ------------------------------------------------------------------ up / down
 
-STAGE_WAIT = {"ray": "starting Ray on every node", "health": "running the health check",
-              "engine": "loading the model and waiting for a real completion", "ready": "serving"}
+STAGE_WAIT = {Stage.RAY: "starting Ray on every node", Stage.HEALTH: "running the health check",
+              Stage.ENGINE: "loading the model and waiting for a real completion", Stage.READY: "serving"}
 
 
 @app.command()
@@ -67,21 +87,21 @@ def up(config: Path = ConfigArg,
 
     Returns while the deployment keeps running; stop it with `hpcserve down NAME`.
     """
-    from hpcserve.site.files import load_with_site
 
     t0 = time.monotonic()
     spinner = console.status("submitting", spinner="dots")
 
     def show(event: api.Event) -> None:
-        mark = {"started": "[cyan]…[/]", "done": "[green]✓[/]", "failed": "[red]✗[/]"}.get(event.event, "·")
+        mark = {StageEvent.STARTED: "[cyan]…[/]", StageEvent.DONE: "[green]✓[/]",
+                StageEvent.FAILED: "[red]✗[/]"}.get(event.event, "·")
         detail = f" [dim]{event.detail}[/]" if event.detail else ""
         console.print(f"{mark} {event.stage:<8} {event.event:<8} +{time.monotonic() - t0:5.1f}s{detail}", highlight=False)
-        if event.event == "started":
+        if event.event == StageEvent.STARTED:
             spinner.update(STAGE_WAIT.get(event.stage, event.stage))
 
     with spinner:
         result = api.up(load_with_site(config, site) if site else config, on_event=show, timeout_s=timeout)
-    if result.status != "ready":
+    if result.status is not RunStatus.READY:
         state = api.read_json(result.run_dir / api.STATE_FILE, {}) or {}
         error = state.get("error") or {}
         if error:
@@ -135,7 +155,6 @@ def status(name: Optional[str] = typer.Argument(None, help="one deployment; defa
             raise UsageError("--watch and --json do not go together")
         if name:
             api.load_record(name)  # an unknown name fails now, listing the known ones
-        from hpcserve.monitoring.watch import watch as live
 
         live(name, interval)
         return
@@ -181,7 +200,8 @@ def _show_endpoint(r: api.DeploymentStatus) -> None:
 
 
 def _colour(state: str) -> str:
-    colour = {"ready": "green", "failed": "red", "dead": "red", "degraded": "yellow"}.get(state, "cyan")
+    colour = {RunStatus.READY: "green", RunStatus.FAILED: "red", RunStatus.DEAD: "red",
+              RunStatus.DEGRADED: "yellow"}.get(state, "cyan")
     return f"[{colour}]{state}[/]"
 
 
@@ -229,9 +249,6 @@ def _follow(files: list[Path]) -> None:
 @guarded
 def render(config: Path = ConfigArg, site: Optional[Path] = SiteOption):
     """Print the sbatch script `up` would submit (dry run; nothing is submitted)."""
-    from hpcserve.deployment.runs import config_yaml
-    from hpcserve.site.files import load_with_site
-    from hpcserve.slurm.render import render_batch_script
 
     cfg = load_with_site(config, site)
     print(render_batch_script(cfg, config_yaml(cfg), sys.executable, Path(cfg.results_dir).resolve()), end="")
@@ -245,7 +262,6 @@ def check(config: Path = ConfigArg):
 
     `up` runs the same check as one of its stages.
     """
-    from hpcserve.raycluster.health import HealthReport, render_lines, render_table
 
     run_dir, data = api.check(config, on_event=lambda e: console.print(f"· {e.stage} {e.event} {e.detail}", highlight=False))
     if not data:
@@ -275,12 +291,8 @@ def plan(config: Optional[Path] = typer.Argument(None, help="deployment YAML (se
     explains weights per GPU, KV-cache capacity, the concurrent sequences that fit at max_model_len and, with
     an expected concurrency, how loaded each replica is. `parallelism: auto` uses the same choice.
     """
-    from hpcserve.core.config import Layout, load_config
-    from hpcserve.deployment.preflight import model_config_for, resolve_model_path
-    from hpcserve.planning.planner import check_config_layout, plan_for_config, render_plan_table
 
     if list_models:
-        from hpcserve.planning.catalog import listing
 
         for line in listing():
             console.print(line, highlight=False)
@@ -293,7 +305,7 @@ def plan(config: Optional[Path] = typer.Argument(None, help="deployment YAML (se
     model_config = model_config_for(cfg, resolve_model_path(cfg))
     result = plan_for_config(cfg, model_config)
     console.print(render_plan_table(result))
-    for line in result.explain():
+    for line in explain(result):
         console.print(line, highlight=False)
     if isinstance(cfg.parallelism, Layout):
         problems = check_config_layout(cfg, model_config, cfg.parallelism)
@@ -313,8 +325,6 @@ def validate(config: Path = ConfigArg,
 
     Writes validation.json and validation.md into RESULTS/logs/NAME/.
     """
-    from hpcserve.core.config import load_config
-    from hpcserve.workflows.validate import report_lines, validate as run_validation, write_report
 
     cfg = load_config(config)
     result = run_validation(config, concurrency, num_prompts, input_len, output_len,
@@ -335,10 +345,6 @@ def baseline(config: Path = ConfigArg,
              output_len: int = typer.Option(64, min=1, help="generated tokens per request")):
     """Benchmark a single-node layout and the configured multi-node layout with the same load, one after
     the other, and report the scaling efficiency (markdown + plots in RESULTS/logs/NAME/baseline/)."""
-    from hpcserve.workflows.baseline import baseline as run_baseline
-    from hpcserve.benchmark.loadgen import LoadShape
-    from hpcserve.benchmark.runner import BenchOptions
-    from hpcserve.benchmark.workload import LengthRange
 
     try:
         loads = tuple(LoadShape(concurrency=int(c)) for c in concurrency.split(","))
@@ -353,10 +359,6 @@ def baseline(config: Path = ConfigArg,
 
 
 def _mount_subcommands() -> None:
-    from hpcserve.cli.bench import bench
-    from hpcserve.cli.doctor import doctor
-    from hpcserve.cli.monitor import monitor
-    from hpcserve.cli.sandbox import app as sandbox_app
 
     app.add_typer(sandbox_app, name="sandbox", help="A real multi-node Slurm cluster on this machine, for trying and testing.")
     app.command(help=bench.__doc__)(bench)

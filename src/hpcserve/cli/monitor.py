@@ -5,7 +5,9 @@ from __future__ import annotations
 import typer
 from rich.console import Console
 
+from hpcserve import api
 from hpcserve.core.errors import HpcserveError
+from hpcserve.monitoring.server import MonitorServer, is_loopback
 
 err = Console(stderr=True)
 
@@ -15,14 +17,11 @@ def monitor(name: str = typer.Argument(..., help="deployment name (the 'name' in
                                      "deployment's API key on /api/status and /metrics"),
             port: int = typer.Option(9400, min=0, max=65535, help="port to listen on (0: any free port)")):
     """Serve a live dashboard (/), its JSON (/api/status) and Prometheus metrics (/metrics) for a deployment."""
-    from hpcserve import api
-    from hpcserve.monitoring.metrics import Gatherer
-    from hpcserve.monitoring.server import MonitorServer, is_loopback
 
     try:
         api.load_record(name)  # an unknown name fails now, with the known ones listed
         key = api.api_key_for(name)
-        server = MonitorServer(Gatherer(name), host, port, key)
+        server = MonitorServer(api.gatherer(name), host, port, key)
     except HpcserveError as exc:
         err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
         raise typer.Exit(exc.exit_code)

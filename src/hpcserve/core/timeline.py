@@ -1,47 +1,10 @@
-"""A deployment's progress, as files in its run folder: timeline.json (a timestamp per stage) and
-state.json (what is running now). Written by the driver, read by `up`, `status` and tests.
-"""
+"""Where a deployment's time went, from its timeline (core.runstate writes it). Pure."""
 
 from __future__ import annotations
 
-import time
-from pathlib import Path
 from typing import Any
 
-from hpcserve.core.state import STATE_FILE, TIMELINE_FILE, read_json, write_json
-
-STAGES = ("submitted", "ray", "health", "engine", "ready")
-
-
-class Progress:
-    def __init__(self, run_dir: Path):
-        self.run_dir = Path(run_dir)
-        self.timeline: list[dict[str, Any]] = read_json(self.run_dir / TIMELINE_FILE, []) or []
-        self.state: dict[str, Any] = read_json(self.run_dir / STATE_FILE, {}) or {}
-
-    def begin(self, stage: str, detail: str = "") -> None:
-        self._event(stage, "started", detail)
-        self.update(stage=stage, status="starting")
-
-    def done(self, stage: str, detail: str = "") -> None:
-        self._event(stage, "done", detail)
-
-    def fail(self, stage: str, diagnosis: str, log: str | None) -> None:
-        self._event(stage, "failed", diagnosis)
-        self.update(stage=stage, status="failed", error={"stage": stage, "diagnosis": diagnosis, "log": log})
-
-    def add(self, event: dict[str, Any]) -> None:
-        """An event that happened elsewhere (a member's stage, forwarded by the endpoint)."""
-        self.timeline.append(event)
-        write_json(self.run_dir / TIMELINE_FILE, self.timeline)
-
-    def update(self, **fields: Any) -> None:
-        self.state.update(fields, updated=time.time())
-        write_json(self.run_dir / STATE_FILE, self.state)
-
-    def _event(self, stage: str, event: str, detail: str) -> None:
-        self.timeline.append({"stage": stage, "event": event, "time": time.time(), "detail": detail})
-        write_json(self.run_dir / TIMELINE_FILE, self.timeline)
+from hpcserve.core.statuses import Stage, StageEvent
 
 
 def stage_durations(timeline: list[dict[str, Any]]) -> dict[str, float]:
@@ -49,9 +12,9 @@ def stage_durations(timeline: list[dict[str, Any]]) -> dict[str, float]:
     started: dict[str, float] = {}
     durations: dict[str, float] = {}
     for event in timeline:
-        if event["event"] == "started":
+        if event["event"] == StageEvent.STARTED:
             started[event["stage"]] = event["time"]
-        elif event["event"] == "done" and event["stage"] in started:
+        elif event["event"] == StageEvent.DONE and event["stage"] in started:
             durations[event["stage"]] = event["time"] - started[event["stage"]]
     return durations
 
@@ -66,9 +29,9 @@ def stage_breakdown(timeline: list[dict[str, Any]], submitted: float, job_starte
         out["queue"] = {"start_s": 0.0, "seconds": max(0.0, job_started - submitted)}
     for event in timeline:
         offset = event["time"] - submitted
-        if event["event"] == "started":
+        if event["event"] == StageEvent.STARTED:
             out[event["stage"]] = {"start_s": offset, "seconds": None}
-        elif event["event"] in ("done", "failed") and event["stage"] in out:
+        elif event["event"] in (StageEvent.DONE, StageEvent.FAILED) and event["stage"] in out:
             entry = out[event["stage"]]
             entry["seconds"] = offset - (entry["start_s"] or 0.0)
     return out
@@ -78,7 +41,7 @@ def breakdown_line(stages: dict[str, dict[str, float | None]]) -> str:
     """'queue 1.2 s · ray 8.0 s · health 2.6 s · engine 67.1 s (from +10.2 s)'. Pure."""
     parts = []
     for stage, span in stages.items():
-        if stage == "ready":
+        if stage == Stage.READY:
             parts.append(f"ready at +{span['start_s']:.1f} s")
             continue
         took = "running" if span["seconds"] is None else f"{span['seconds']:.1f} s"

@@ -3,15 +3,17 @@ reported as a ConfigError (exit code 2) with nothing started."""
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
 import shutil
 from pathlib import Path
 
-from hpcserve.core.config import BUILTIN_TINY, DeploymentConfig
+from hpcserve.core.config import BUILTIN_TINY, DeploymentConfig, Layout
 from hpcserve.core.errors import ConfigError
-from hpcserve.raycluster.ports import port_free
+from hpcserve.core.net import is_loopback, port_free
+from hpcserve.models.tiny import tiny_model_path
+from hpcserve.planning.catalog import lookup, resolve_config
+from hpcserve.planning.planner import layout_for
 
 
 def looks_like_path(spec: str) -> bool:
@@ -24,7 +26,6 @@ def resolve_model_path(cfg: DeploymentConfig) -> str:
     compute nodes): the catalogue gives the planner the shape, so only a well-formed path is required."""
     spec = cfg.model.path
     if spec == BUILTIN_TINY:
-        from hpcserve.models.tiny import tiny_model_path
 
         return str(tiny_model_path())
     if spec.startswith("builtin:"):
@@ -32,7 +33,6 @@ def resolve_model_path(cfg: DeploymentConfig) -> str:
     if looks_like_path(spec):
         path = Path(spec).expanduser()
         if cfg.model.catalog and not (path / "config.json").is_file():
-            from hpcserve.planning.catalog import lookup
 
             lookup(cfg.model.catalog)  # an unknown name is the error to report, not the missing folder
             return str(path.absolute())
@@ -58,7 +58,6 @@ def read_model_config(model_path: str) -> dict | None:
 def model_config_for(cfg: DeploymentConfig, model_path: str) -> dict | None:
     """The config.json the planner reads for this deployment: the checkpoint's (checked against model.catalog
     when both exist: one ConfigError listing what differs), else the catalogue's, else None."""
-    from hpcserve.planning.catalog import resolve_config
 
     return resolve_config(cfg.model.catalog, read_model_config(model_path), cfg.model.quantization)
 
@@ -95,10 +94,7 @@ def check_scheduler(cfg: DeploymentConfig) -> None:
                           "load the Slurm module, or use `hpcserve sandbox up` to try a local Slurm cluster")
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+
+def resolved_layout(cfg: DeploymentConfig) -> Layout:
+    """The layout this deployment runs: configured, or planned for the model (`parallelism: auto`)."""
+    return layout_for(cfg, model_config_for(cfg, resolve_model_path(cfg)))

@@ -14,9 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpcserve.core.config import DeploymentConfig, Layout, slots_per_node
-from hpcserve.engine.args import EngineRole, cpu_thread_binding, engine_argv
 from hpcserve.core.errors import StageError
-from hpcserve.engine.client import completion_probe, engine_error, health_ok
+from hpcserve.engine.args import EngineRole, cpu_thread_binding, engine_argv
+from hpcserve.engine.client import completion_probe, health_ok
+from hpcserve.engine.host import EngineHost
+from hpcserve.engine.logs import engine_error
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,8 @@ class Replica:
     placement_group: object = None
     placement_seconds: float = 0.0
 
-    def describe(self) -> dict:
+    def to_dict(self) -> dict:
+        """The replica as state.json lists it (url, nodes, processes with their logs)."""
         return {"index": self.index, "url": self.url,
                 "nodes": [p.hostname for p in self.processes], "placement_s": round(self.placement_seconds, 3),
                 "processes": [{"rank": p.rank, "hostname": p.hostname, "address": p.address, "pid": p.pid,
@@ -81,7 +84,6 @@ class ReplicaSet:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from hpcserve.engine.host import EngineHost
 
         on_gpu = self.cfg.on_gpu
         executor = self.cfg.executor

@@ -12,6 +12,7 @@ from datetime import datetime
 from typing import Literal
 
 from hpcserve.core.config import AutoscaleSpec
+from hpcserve.core.statuses import MemberRole
 
 # A backend whose probes failed this many times in a row leaves the pool. With a probe every second
 # and a one-second timeout, a dead backend is out within about 3 s.
@@ -99,11 +100,11 @@ def update_idle_since(idle_since: dict[str, float], sample: LoadSample,
     return out
 
 
-def replace_failed_launch(role: str) -> bool:
+def replace_failed_launch(role: MemberRole) -> bool:
     """Does self-healing replace a member that failed before it served? Not a scale-up or a successor:
     the autoscaler and the walltime handover decide again next round whether one is still needed, and a
     replacement on top would launch two."""
-    return role not in ("scale-up", "successor")
+    return role not in (MemberRole.SCALE_UP, MemberRole.SUCCESSOR)
 
 
 # ------------------------------------------------------------------ walltime

@@ -14,24 +14,25 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from hpcserve.core.config import DeploymentConfig, Layout, slots_per_node
+from hpcserve.core.registry import Record
+from hpcserve.core.runstate import RunState, read_timeline
+from hpcserve.core.statuses import MemberRole, MemberStatus
 from hpcserve.deployment.replicas import replica_shapes
-from hpcserve.core.state import STATE_FILE, TIMELINE_FILE, Record, read_json
 
 # Replica ports of member slot k: serve.port + 1 + k * PORTS_PER_MEMBER + replica index. A slot is
 # reused once its member is gone, so the ports of a long-lived endpoint stay within a small window.
 PORTS_PER_MEMBER = 8
-ROLES = ("initial", "replacement", "scale-up", "successor")
 
 
 @dataclass
 class Member:
     name: str
     slot: int
-    role: str
+    role: MemberRole
     layout: dict
     record: dict  # the member's state.Record, as a dict (JSON in the controller's state)
     launched: float = field(default_factory=time.time)
-    status: str = "launching"  # launching | serving | draining | stopping | gone | failed
+    status: MemberStatus = MemberStatus.LAUNCHING
     backends: list[str] = field(default_factory=list)
     ready_s: float | None = None  # launch to ready: the startup the walltime handover plans with
     replaces: str | None = None
@@ -42,18 +43,22 @@ class Member:
     end_time: str | None = None  # Slurm's EndTime of its job (the time limit), for the handover
     group: int = 0  # 0: parallelism's shape; k: replica_groups[k - 1]
 
+    def __post_init__(self) -> None:
+        self.role, self.status = MemberRole(self.role), MemberStatus(self.status)
+
     @property
     def run_dir(self) -> Path:
         return Path(self.record["run_dir"])
 
     def as_record(self) -> Record:
-        return Record(**self.record)
+        return Record.from_dict(self.record)
 
-    def state(self) -> dict:
-        return read_json(self.run_dir / STATE_FILE, {}) or {}
+    def state(self) -> RunState:
+        """What its driver wrote last."""
+        return RunState.read(self.run_dir)
 
     def timeline(self) -> list[dict]:
-        return read_json(self.run_dir / TIMELINE_FILE, []) or []
+        return read_timeline(self.run_dir)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -93,7 +98,7 @@ def group_layouts(cfg: DeploymentConfig, base: Layout) -> list[tuple[int, Layout
 
 
 def free_slot(members: list[Member]) -> int:
-    taken = {m.slot for m in members if m.status not in ("gone", "failed")}
+    taken = {m.slot for m in members if m.status not in (MemberStatus.GONE, MemberStatus.FAILED)}
     return next(slot for slot in range(len(members) + 1) if slot not in taken)
 
 
@@ -102,17 +107,17 @@ def single_replica(layout: Layout) -> Layout:
     return Layout(tensor=layout.tensor, pipeline=layout.pipeline, replicas=1)
 
 
-def replica_urls(state: dict) -> list[str]:
-    return [r["url"] for r in state.get("replicas") or []]
+def replica_urls(state: RunState) -> list[str]:
+    return [r["url"] for r in state.replicas]
 
 
-def described_replicas(members: list[Member], model: str) -> list[dict]:
+def pool_replicas(members: list[Member], model: str) -> list[dict]:
     """Every replica behind the router, as its member's driver describes it (nodes, processes, logs),
     numbered across the endpoint and named by member; healthy: its member serves (in the pool)."""
     out = []
     for member in members:
-        described = {r["url"]: r for r in member.state().get("replicas") or []}
+        described = {r["url"]: r for r in member.state().replicas}
         for url in member.backends:
             out.append({**described.get(url, {}), "index": len(out), "url": url, "member": member.name,
-                        "model": model, "healthy": member.status == "serving"})
+                        "model": model, "healthy": member.status is MemberStatus.SERVING})
     return out

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -37,9 +36,10 @@ import httpx
 import psutil
 
 from hpcserve.core.errors import HpcserveError
-from hpcserve.monitoring.metrics import (FINISHED, KV_CACHE_USAGE, RUNNING, WAITING, parse_engine_metrics, peak,
-                                         total)
+from hpcserve.core.keys import bearer
+from hpcserve.core.net import free_loopback_port, url_host
 from hpcserve.engine.client import completion_probe, health_ok
+from hpcserve.engine.metrics import EngineLoad, engine_load, is_drained
 
 LAUNCHER = "hpcserve.endpoint.router_main"
 PROCESS_TITLE = "hpcserve-router"  # router_main sets it: `ps` shows which process is the router
@@ -48,76 +48,6 @@ POLL_S = 0.1
 
 class RouterError(HpcserveError):
     """The router did not start, or refused or failed a membership change."""
-
-
-# ------------------------------------------------------------------ engine load (pure)
-
-@dataclass(frozen=True)
-class EngineLoad:
-    """One engine's load from its vLLM /metrics (summed over its label sets)."""
-
-    running: float = 0.0
-    waiting: float = 0.0
-    kv_cache_usage: float | None = None  # 0..1, the fullest KV cache of the engine
-    finished: float | None = None  # requests finished since the engine started (a counter)
-
-    @property
-    def in_flight(self) -> float:
-        return self.running + self.waiting
-
-
-def engine_load(metrics_text: str) -> EngineLoad:
-    """Parse vLLM's Prometheus text. Raises ValueError on text that is not Prometheus format."""
-    metrics = parse_engine_metrics(metrics_text)
-    return EngineLoad(total(metrics, RUNNING) or 0.0, total(metrics, WAITING) or 0.0, peak(metrics, *KV_CACHE_USAGE),
-                      total(metrics, FINISHED))
-
-
-def is_drained(load: EngineLoad) -> bool:
-    """Nothing running, nothing queued: the engine can be stopped without failing a request."""
-    return load.in_flight == 0
-
-
-def is_saturated(load: EngineLoad, max_waiting: float = 0.0, max_kv_usage: float = 0.95) -> bool:
-    """Requests queue in the engine, or its KV cache is nearly full: more requests there only wait.
-    For the control plane (scale-up decisions, capacity estimates); the data plane balances in-flight
-    counts itself."""
-    return load.waiting > max_waiting or (load.kv_cache_usage is not None and load.kv_cache_usage >= max_kv_usage)
-
-
-def backends_to_pause(loads: dict[str, EngineLoad | None], paused: set[str], max_waiting: float = 0.0,
-                      max_kv_usage: float = 0.95, resume_kv_usage: float = 0.85) -> set[str]:
-    """Load-aware choice from vLLM's /metrics, for a data plane that cannot read them: the backends to keep
-    out of the router's rotation now. A backend whose engine queues requests (waiting > max_waiting) or
-    whose KV cache is nearly full is paused while another one has room; it comes back once its queue is
-    empty and its KV cache below resume_kv_usage (the gap stops flapping). Never all of them: when every
-    backend is saturated, queueing anywhere beats refusing. A backend without load figures (None) is left
-    as it is (the probe decides about dead ones). Pure."""
-    def saturated(load: EngineLoad) -> bool:
-        return is_saturated(load, max_waiting, max_kv_usage)
-
-    def recovered(load: EngineLoad) -> bool:
-        return load.waiting == 0 and (load.kv_cache_usage is None or load.kv_cache_usage < resume_kv_usage)
-
-    now = set()
-    for url, load in loads.items():
-        was = url in paused
-        if load is None:
-            now |= {url} if was else set()
-        elif (was and not recovered(load)) or (not was and saturated(load)):
-            now.add(url)
-    return now if len(now) < len(loads) else set()
-
-
-def next_paused(pool: list[str], answered: set[str], loads: dict[str, EngineLoad | None], paused: set[str]) -> set[str]:
-    """The backends out of rotation after one round of the controller. Only backends whose last probe
-    answered are judged: pausing the one healthy backend because a dying one still "has room" would
-    leave the router with none. A paused backend whose probe failed stays paused (its probes decide
-    whether it leaves the pool): forgetting it would leave it out of the router for good, and a later
-    round could pause the last backend still in it. Backends gone from the pool are forgotten. Pure."""
-    judged = [url for url in pool if url in answered]
-    now = backends_to_pause({url: loads.get(url) for url in judged}, paused & set(judged))
-    return now | ((paused & set(pool)) - set(judged))
 
 
 # ------------------------------------------------------------------ the router process
@@ -155,7 +85,7 @@ class Router:
         self.host, self.port, self.policy, self.model = host, port, policy, model
         self.api_key_file = Path(api_key_file) if api_key_file else None
         self.log_path = Path(log_path)
-        self.metrics_port = metrics_port or _free_loopback_port()
+        self.metrics_port = metrics_port or free_loopback_port()
         self.python = python
         self.pid: int | None = None
         self._process: psutil.Popen | None = None
@@ -165,7 +95,7 @@ class Router:
     @property
     def url(self) -> str:
         """The router's base URL; the OpenAI base URL is url + '/v1'."""
-        return f"http://{_url_host(self.host)}:{self.port}"
+        return f"http://{url_host(self.host)}:{self.port}"
 
     @property
     def metrics_url(self) -> str:
@@ -277,7 +207,7 @@ class Router:
     # -------------------------------------------------------------- helpers
 
     def _auth(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self._key}"} if self._key else {}
+        return bearer(self._key)
 
     def _admin(self, method: str, path: str, **kwargs) -> httpx.Response:
         try:
@@ -301,32 +231,6 @@ class Router:
             if time.monotonic() > deadline:
                 raise RouterError(message)
             time.sleep(POLL_S)
-
-
-class Rotation:
-    """Load-aware rotation over a router (next_paused applied): which of the pool's backends take new
-    requests now. The controller drives it; benchmarks/router_capacity.py measures it alone."""
-
-    def __init__(self, router: Router):
-        self.router = router
-        self.paused: set[str] = set()  # in the pool, but out of the router's rotation for now
-
-    def update(self, pool: list[str], answered: set[str], loads: dict[str, EngineLoad | None]) -> None:
-        paused = next_paused(pool, answered, loads, self.paused)
-        # Resumed ones first: removing first would leave the router without a backend for the time an add
-        # takes (~60 ms), and it answers 503 "No available workers" meanwhile (seen on the sandbox).
-        for url in sorted(self.paused - paused):
-            if url not in pool:  # left the pool meanwhile: stays out
-                continue
-            try:
-                self.router.add(url)
-            except RouterError:  # it stopped answering since its probe: paused still, tried next round
-                paused = paused | {url}
-        if pool and set(pool) <= paused:  # a failed add broke "never all of them": pause nobody new
-            paused = paused & self.paused
-        for url in sorted(paused - self.paused):
-            self.router.remove(url, drain_s=0)
-        self.paused = paused
 
 
 def stop_router(pid: int, timeout_s: float = 10.0) -> bool:
@@ -361,16 +265,8 @@ def _is_router(pid: int) -> bool:
     return LAUNCHER in cmdline or cmdline.startswith(PROCESS_TITLE)
 
 
-def _free_loopback_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
-def _url_host(host: str) -> str:
-    if host in ("0.0.0.0", "::"):
-        return "127.0.0.1"
-    return f"[{host}]" if ":" in host else host
 
 
 def _tail(path: Path, chars: int = 400) -> str:

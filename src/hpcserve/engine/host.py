@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 PR_SET_PDEATHSIG = 1
 NODE_GPUS_ENV = "HPCSERVE_NODE_CUDA_VISIBLE_DEVICES"  # set by raycluster/node.py from the allocation
 # `ray start` preloads Ray's jemalloc into its daemons (not into workers) and marks it with this one.
@@ -80,8 +82,6 @@ def read_job_process(raylet_pid: str | None) -> JobProcess | None:
     if not raylet_pid:
         return None
     try:
-        import psutil
-
         raylet = psutil.Process(int(raylet_pid))
         env, nice = raylet.environ(), raylet.nice()
     except Exception:  # noqa: BLE001 - gone, not ours, a bad pid: fall back to the worker's settings

@@ -18,73 +18,28 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
-VLLM_PREFIX = "vllm:"
-RUNNING = "vllm:num_requests_running"
-WAITING = "vllm:num_requests_waiting"
-FINISHED = "vllm:request_success"  # requests finished (a counter, by finish reason)
-GENERATION_TOKENS = "vllm:generation_tokens"  # counter family names are given without "_total"
-PROMPT_TOKENS = "vllm:prompt_tokens"
-KV_CACHE_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # new name, old name
+from hpcserve.core.errors import HpcserveError
+from hpcserve.core.keys import bearer
+from hpcserve.engine.metrics import (
+    GENERATION_TOKENS,
+    KV_CACHE_USAGE,
+    PROMPT_TOKENS,
+    RUNNING,
+    WAITING,
+    EngineMetric,
+    counter_rate,
+    parse_engine_metrics,
+    peak,
+    total,
+)
+
 STALE_AFTER_S = 10.0  # the sampler writes every second: a node silent this long has lost its sampler
 HISTORY_SAMPLES = 120
 MIB = 2**20
-
-
-# ------------------------------------------------------------------ parsing (pure)
-
-@dataclass(frozen=True)
-class EngineMetric:
-    """One vLLM gauge or counter family: its samples as (labels, value)."""
-
-    name: str  # family name; a counter's samples are named name + "_total"
-    kind: str  # "gauge" or "counter"
-    doc: str
-    samples: tuple[tuple[tuple[tuple[str, str], ...], float], ...]
-
-
-def parse_engine_metrics(text: str) -> list[EngineMetric]:
-    """vLLM's gauges and counters from Prometheus text. Left out: histograms (read vLLM's own /metrics for
-    latency distributions) and the `*_created` timestamps of counters. Raises ValueError on text that is not
-    the Prometheus format."""
-    out = []
-    for family in text_string_to_metric_families(text):
-        if (not family.name.startswith(VLLM_PREFIX) or family.type not in ("gauge", "counter")
-                or family.name.endswith("_created")):
-            continue
-        sample_name = family.name + ("_total" if family.type == "counter" else "")
-        samples = tuple((tuple(sorted(s.labels.items())), s.value) for s in family.samples if s.name == sample_name)
-        out.append(EngineMetric(family.name, family.type, family.documentation, samples))
-    return out
-
-
-def total(metrics: Iterable[EngineMetric], *names: str) -> float | None:
-    """The sum over label sets of the first family present among names; None when none is."""
-    by_name = {m.name: m for m in metrics}
-    for name in names:
-        if name in by_name:
-            return sum(value for _, value in by_name[name].samples)
-    return None
-
-
-def peak(metrics: Iterable[EngineMetric], *names: str) -> float | None:
-    """The largest value of the first family present (KV-cache usage of several engines: the fullest)."""
-    by_name = {m.name: m for m in metrics}
-    for name in names:
-        if name in by_name and by_name[name].samples:
-            return max(value for _, value in by_name[name].samples)
-    return None
-
-
-def counter_rate(before: float | None, before_t: float | None, after: float | None, after_t: float) -> float | None:
-    """Per-second increase of a counter between two readings; None without two readings or after a reset."""
-    if before is None or after is None or before_t is None or after_t <= before_t or after < before:
-        return None
-    return (after - before) / (after_t - before_t)
 
 
 # ------------------------------------------------------------------ replicas
@@ -157,9 +112,8 @@ def with_rates(current: ReplicaMetrics, previous: ReplicaMetrics | None) -> Repl
 def scrape(client: httpx.Client, replica: dict, api_key: str | None) -> ReplicaMetrics:
     """GET {url}/metrics; any failure gives a replica marked down with the reason."""
     now, mono = time.time(), time.monotonic()
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        response = client.get(f"{replica['url']}/metrics", headers=headers)
+        response = client.get(f"{replica['url']}/metrics", headers=bearer(api_key))
     except httpx.HTTPError as exc:
         return replica_down(replica, f"{type(exc).__name__}: {exc}"[:300], now, mono)
     if response.status_code != 200:
@@ -247,36 +201,20 @@ class Snapshot:
                 "replicas": [r.to_json() for r in self.replicas], "nodes": [n.to_json() for n in self.nodes]}
 
 
-def _default_status(name: str):
-    from hpcserve import api
-
-    return api.status(name)[0]
-
-
-def _default_key(name: str) -> str | None:
-    from hpcserve import api
-    from hpcserve.core.errors import HpcserveError
-
-    try:
-        return api.api_key_for(name)
-    except (HpcserveError, OSError):
-        return None
-
-
 class Gatherer:
     """Snapshots of one deployment. Thread-safe; a snapshot younger than max_age_s is reused.
 
-    status_fn, key_fn and client are the real api.status, api.api_key_for and an httpx.Client by default;
-    tests pass stand-ins (an httpx.MockTransport in the client).
+    status_fn(name) gives the deployment's status (api.status's row), key_fn(name) its API key; the CLI
+    passes the API's, tests pass stand-ins (and an httpx.MockTransport in the client).
     """
 
-    def __init__(self, name: str, client: httpx.Client | None = None, status_fn: Callable | None = None,
-                 key_fn: Callable[[str], str | None] | None = None, max_age_s: float = 1.0, timeout_s: float = 2.0):
+    def __init__(self, name: str, status_fn: Callable, key_fn: Callable[[str], str | None],
+                 client: httpx.Client | None = None, max_age_s: float = 1.0, timeout_s: float = 2.0):
         self.name = name
         # trust_env=False: engines are reached directly, never through the user's http_proxy
         self.client = client or httpx.Client(timeout=httpx.Timeout(timeout_s, connect=1.0), trust_env=False)
-        self.status_fn = status_fn or _default_status
-        self.key_fn = key_fn or _default_key
+        self.status_fn = status_fn
+        self.key_fn = key_fn
         self.max_age_s = max_age_s
         self.lock = threading.Lock()
         self.last: Snapshot | None = None
@@ -290,8 +228,6 @@ class Gatherer:
             return self.last
 
     def _gather(self) -> Snapshot:
-        from hpcserve.core.errors import HpcserveError
-
         try:
             status = self.status_fn(self.name)
         except HpcserveError as exc:  # `down` removed it, or it never existed: say so, keep serving

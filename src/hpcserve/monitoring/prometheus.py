@@ -10,7 +10,15 @@ from typing import Iterable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from hpcserve.monitoring.metrics import MIB, Gatherer, NodeMetrics, ReplicaMetrics, Snapshot
+from hpcserve.core.statuses import RunStatus
+from hpcserve.monitoring.metrics import (
+    MIB,
+    Gatherer,
+    NodeMetrics,
+    ReplicaMetrics,
+    Snapshot,
+)
+
 
 def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, labels=labels)
@@ -96,7 +104,7 @@ def families(snapshot: Snapshot) -> list[Metric]:
     status = str(snapshot.deployment.get("status"))
     ready = _gauge("hpcserve_deployment_ready", "1 when the deployment's status is ready, else 0",
                    ["deployment", "status"])
-    ready.add_metric([name, status], 1.0 if status == "ready" else 0.0)
+    ready.add_metric([name, status], 1.0 if status == RunStatus.READY else 0.0)
     return [ready, *replica_families(name, snapshot.replicas), *node_families(name, snapshot.nodes),
             *engine_families(name, snapshot.replicas)]
 

@@ -23,9 +23,9 @@ from importlib import resources
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from hpcserve.core.errors import UsageError
+from hpcserve.core.net import is_loopback
 from hpcserve.monitoring.metrics import Gatherer
 from hpcserve.monitoring.prometheus import DeploymentCollector
-from hpcserve.deployment.preflight import is_loopback
 
 
 def dashboard_html() -> bytes:

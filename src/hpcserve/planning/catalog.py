@@ -15,7 +15,13 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
+from hpcserve.core.config import DeploymentConfig
 from hpcserve.core.errors import ConfigError
+from hpcserve.planning.model_shape import (
+    ModelShape,
+    estimate_weights_bytes,
+    total_params,
+)
 
 
 @dataclass(frozen=True)
@@ -142,7 +148,6 @@ def resolve_config(catalog: str | None, model_config: dict[str, Any] | None,
 
 def check_agreement(entry: Entry, model_config: dict[str, Any]) -> None:
     """ConfigError listing every architecture field where the checkpoint's config.json and the catalogue differ."""
-    from hpcserve.planning.model_shape import ModelShape
 
     ours, theirs = ModelShape.from_config(entry.config), ModelShape.from_config(model_config)
     pairs = {"hidden_size": (ours.hidden_size, theirs.hidden_size), "num_hidden_layers": (ours.num_layers, theirs.num_layers),
@@ -159,7 +164,6 @@ def check_agreement(entry: Entry, model_config: dict[str, Any]) -> None:
 
 def listing() -> list[str]:
     """One line per base model for `hpcserve plan --list-models`: shape, size and recommended settings."""
-    from hpcserve.planning.model_shape import ModelShape, estimate_weights_bytes, total_params
 
     lines = [f"{'name':<17} {'params':>7} {'bf16':>8}  {'layers':>6} {'hidden':>6} {'heads':>5} {'kv':>3} "
              f"{'context':>7} {'recommended':>11}  Hugging Face id"]
@@ -170,4 +174,26 @@ def listing() -> list[str]:
                      f"{shape.max_position_embeddings:>7} {e.max_model_len:>11}  {e.hf_id}")
     lines.append(f"Quantized variants: append {', '.join('-' + v for v in VARIANTS)} to a name "
                  "(e.g. llama-3.1-70b-awq): 4-bit AWQ/GPTQ (group 128, float16) or 8-bit FP8 weights.")
+    return lines
+
+
+def catalog_notes(cfg: DeploymentConfig, model_config: dict[str, Any] | None) -> list[str]:
+    """Where the shape came from when model.catalog is set, and the catalogue's recommended settings that
+    the deployment file does not set yet."""
+    name = cfg.model.catalog
+    if not name:
+        return []
+    entry = lookup(name)
+    from_catalogue = model_config is None or model_config == entry.config  # preflight.model_config_for filled it in
+    source = "the catalogue (no config.json in model.path here)" if from_catalogue else \
+        "the config.json in model.path (it matches)"
+    weights = f", {entry.quantization} weights" if entry.quantization else ""
+    lines = [f"Catalogue: {entry.name} (the shape of {entry.hf_id}{weights}); read from {source}"
+             + (f"; {entry.note}" if entry.note else "")]
+    if cfg.model.max_model_len is None:
+        lines.append(f"Recommended: model.max_model_len: {entry.max_model_len} (unset, vLLM takes the model's "
+                     f"{entry.config['max_position_embeddings']:,} and the plan above does too)")
+    if entry.quantization in ("awq", "gptq") and cfg.model.dtype not in ("auto", entry.dtype):
+        lines.append(f"Recommended: model.dtype: {entry.dtype} (vLLM's {entry.quantization} kernels take float16 "
+                     f"activations, not {cfg.model.dtype})")
     return lines

@@ -7,18 +7,27 @@ docs/planner.md explains the memory and throughput model and the measurements be
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from hpcserve.core.config import ClusterSpec, DeploymentConfig, Layout, layout_problem, slots_per_node
-from hpcserve.core.errors import ConfigError
+from hpcserve.core.config import (
+    ClusterSpec,
+    DeploymentConfig,
+    Layout,
+    layout_problem,
+    slots_per_node,
+)
+from hpcserve.core.errors import ConfigError, StageError
 from hpcserve.planning import throughput
+from hpcserve.planning.catalog import catalog_notes, resolve_config
 from hpcserve.planning.model_shape import (
-    DTYPE_BYTES, ModelShape, kv_bytes_per_token_per_worker, padded_vocab, resolve_dtype, weights_bytes_per_worker,
+    DTYPE_BYTES,
+    ModelShape,
+    kv_bytes_per_token_per_worker,
+    padded_vocab,
+    resolve_dtype,
+    weights_bytes_per_worker,
 )
 from hpcserve.planning.throughput import pp_efficiency
-
-if TYPE_CHECKING:
-    from rich.table import Table
 
 GIB = 2**30
 # Memory vLLM needs on a GPU besides weights, KV cache and the profiled activations: what it counts as
@@ -107,11 +116,6 @@ class Plan:
             reasons = sorted({p for c in self.rejected for p in c.problems})
             raise ConfigError("no parallelism layout fits this model on this cluster:\n  - " + "\n  - ".join(reasons))
         return self.best.layout
-
-    def explain(self) -> list[str]:
-        from hpcserve.planning.report import explain
-
-        return explain(self)
 
 
 # ---------------------------------------------------------------- memory per worker
@@ -307,7 +311,6 @@ def load_options(cfg: DeploymentConfig, max_num_seqs: int) -> dict[str, float]:
 def config_shape(cfg: DeploymentConfig, model_config: dict[str, Any] | None) -> ModelShape:
     """The model's shape for a deployment: its config.json, else the catalogue entry model.catalog names
     (checked against each other when both exist)."""
-    from hpcserve.planning.catalog import resolve_config
 
     resolved = resolve_config(cfg.model.catalog, model_config, cfg.model.quantization)
     if resolved is None:
@@ -318,8 +321,6 @@ def config_shape(cfg: DeploymentConfig, model_config: dict[str, Any] | None) -> 
 
 def plan_for_config(cfg: DeploymentConfig, model_config: dict[str, Any] | None) -> Plan:
     """The plan for a deployment file (settings: see config_options; shape: see config_shape)."""
-    from hpcserve.planning.report import catalog_notes
-
     result = plan(config_shape(cfg, model_config), cfg.cluster, **config_options(cfg))
     return replace(result, notes=tuple(catalog_notes(cfg, model_config)))
 
@@ -342,9 +343,11 @@ def engine_arg(args: list[str], flag: str) -> str | None:
     return value
 
 
-# ---------------------------------------------------------------- presentation (plan_report.py)
-
-def render_plan_table(p: Plan) -> Table:
-    from hpcserve.planning.report import render_plan_table as render
-
-    return render(p)
+def layout_for(cfg: DeploymentConfig, model_config: dict | None) -> Layout:
+    """The configured layout, or with `parallelism: auto` the planner's best one for this model."""
+    if isinstance(cfg.parallelism, Layout):
+        return cfg.parallelism
+    if model_config is None:
+        raise StageError("engine", "parallelism 'auto' needs the model's config.json; give a local model folder, "
+                         "name the model in model.catalog, or set tensor/pipeline/replicas", None)
+    return plan_for_config(cfg, model_config).best_layout()

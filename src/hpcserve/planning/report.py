@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from rich.table import Table
 
-from hpcserve.core.config import DeploymentConfig, Layout
+from hpcserve.core.config import Layout
 from hpcserve.planning import throughput
 from hpcserve.planning.model_shape import estimate_weights_bytes, kv_bytes_per_token
-
-if TYPE_CHECKING:
-    from rich.table import Table
-
-    from hpcserve.planning.planner import Candidate, Plan, PlanSettings
+from hpcserve.planning.planner import Candidate, Plan, PlanSettings
 
 GIB = 2**30
 
@@ -86,34 +82,8 @@ def why_better(best: Candidate, other: Candidate, s: PlanSettings) -> str:
     return (f"Runner-up: {describe(other.layout)}, score {other.score:.2f}: " + "; ".join(reasons))
 
 
-def catalog_notes(cfg: DeploymentConfig, model_config: dict[str, Any] | None) -> list[str]:
-    """Where the shape came from when model.catalog is set, and the catalogue's recommended settings that
-    the deployment file does not set yet."""
-    name = cfg.model.catalog
-    if not name:
-        return []
-    from hpcserve.planning.catalog import lookup
-
-    entry = lookup(name)
-    from_catalogue = model_config is None or model_config == entry.config  # preflight.model_config_for filled it in
-    source = "the catalogue (no config.json in model.path here)" if from_catalogue else \
-        "the config.json in model.path (it matches)"
-    weights = f", {entry.quantization} weights" if entry.quantization else ""
-    lines = [f"Catalogue: {entry.name} (the shape of {entry.hf_id}{weights}); read from {source}"
-             + (f"; {entry.note}" if entry.note else "")]
-    if cfg.model.max_model_len is None:
-        lines.append(f"Recommended: model.max_model_len: {entry.max_model_len} (unset, vLLM takes the model's "
-                     f"{entry.config['max_position_embeddings']:,} and the plan above does too)")
-    if entry.quantization in ("awq", "gptq") and cfg.model.dtype not in ("auto", entry.dtype):
-        lines.append(f"Recommended: model.dtype: {entry.dtype} (vLLM's {entry.quantization} kernels take float16 "
-                     f"activations, not {cfg.model.dtype})")
-    return lines
-
-
 def render_plan_table(p: Plan) -> Table:
     """A rich Table of every candidate, best first, rejected last with the reason."""
-    from rich.table import Table
-
     load = p.settings.under_load
     table = Table(title=f"Layouts at max_model_len {p.settings.max_model_len:,} ({p.settings.dtype})")
     columns = ["#", "tensor", "pipeline", "replicas", "weights/worker", "KV/worker", "KV tokens/replica", "seqs@max_len"]

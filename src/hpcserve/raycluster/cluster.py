@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpcserve.core.errors import StageError
+from hpcserve.core.files import read_json
 from hpcserve.raycluster.auth import auth_env, create_token
 from hpcserve.raycluster.launch import NodeLauncher
 from hpcserve.raycluster.node import STOP_FILE
 from hpcserve.raycluster.ports import PortBlock, free_block
-from hpcserve.core.state import read_json
 
 
 @dataclass

@@ -19,6 +19,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import psutil
+from rich.table import Table
+
 TRANSFER_BYTES = 16 * 2**20
 ALLREDUCE_BYTES = 16 * 2**20
 
@@ -114,7 +117,6 @@ class HealthReport:
 # ------------------------------------------------------------------ remote probes
 
 def _probe_node() -> dict:
-    import psutil
     import ray
 
     ctx = ray.get_runtime_context()
@@ -352,8 +354,6 @@ def _head_first(alive: list[dict]) -> list[dict]:
 
 
 def render_table(report: HealthReport):
-    from rich.table import Table
-
     table = Table(title=f"health check: {'OK' if report.ok else 'FAILED'} ({report.seconds:.1f} s)")
     for col in ("node", "address", "CPUs", "RAM GiB", "GPUs (Ray / NVML)", "CUDA_VISIBLE_DEVICES", "notes"):
         table.add_column(col)

@@ -9,8 +9,9 @@ run id (stable, so every node computes the same block) and checked free on the h
 from __future__ import annotations
 
 import hashlib
-import socket
 from dataclasses import dataclass
+
+from hpcserve.core.net import port_free
 
 BLOCK_SIZE = 16
 FIRST_PORT = 20000
@@ -49,15 +50,6 @@ def block_for(run_id: str, attempt: int = 0) -> PortBlock:
     index = int.from_bytes(digest[:4], "big") % BLOCKS
     return PortBlock(FIRST_PORT + index * BLOCK_SIZE)
 
-
-def port_free(port: int, host: str = "0.0.0.0") -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 def free_block(run_id: str, tries: int = 20) -> PortBlock:

@@ -23,9 +23,17 @@ from pathlib import Path
 import psutil
 
 from hpcserve.sandbox.network import netns_names, netns_pids
-from hpcserve.sandbox.procs import (STOP_TIMEOUT_S, launch, launched_here, namespace_pid,
-                                    pid_alive, pid_namespace_members, read_int, send_signal,
-                                    wait_for)
+from hpcserve.sandbox.procs import (
+    STOP_TIMEOUT_S,
+    launch,
+    launched_here,
+    namespace_pid,
+    pid_alive,
+    pid_namespace_members,
+    read_int,
+    send_signal,
+    wait_for,
+)
 
 EXEC_GRACE_S = 1.0  # how long a command line may read empty before the process counts as foreign
 

@@ -14,7 +14,14 @@ from pathlib import Path
 import psutil
 
 from hpcserve.core.errors import CommandError, StageError
-from hpcserve.sandbox.procs import STOP_TIMEOUT_S, pid_alive, read_int, send_signal, tail, wait_for
+from hpcserve.sandbox.procs import (
+    STOP_TIMEOUT_S,
+    pid_alive,
+    read_int,
+    send_signal,
+    tail,
+    wait_for,
+)
 
 
 def munged_pid(root: Path) -> int | None:

@@ -10,19 +10,16 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from hpcserve.sandbox.cluster import Sandbox
+from hpcserve.sandbox.layout import SETTINGS_FILE, SandboxLayout
 
-SETTINGS_FILE = "sandbox.json"  # under root/etc: what the running sandbox was built with
 # For resolvers that skip nsswitch: fail fast instead of waiting for an unreachable server.
 RESOLV_CONF = "nameserver 127.0.0.1\noptions timeout:1 attempts:1\n"
 # slurmd 22.05 always initialises a cgroup plugin (even with linuxproc + task/none).
 CGROUP_CONF = "CgroupPlugin=autodetect\nIgnoreSystemd=yes\n"
 
 
-def render_files(sb: Sandbox, nsswitch: str) -> dict[str, str]:
+def render_files(sb: SandboxLayout, nsswitch: str) -> dict[str, str]:
     """File name under root/etc -> content. `nsswitch` is the machine's nsswitch.conf."""
     return {
         "hosts": hosts_file(sb),
@@ -32,11 +29,11 @@ def render_files(sb: Sandbox, nsswitch: str) -> dict[str, str]:
         "slurm.conf": slurm_conf(sb),
         "gres.conf": gres_conf(sb),
         "cgroup.conf": CGROUP_CONF,
-        SETTINGS_FILE: json.dumps(sb._settings(), indent=1) + "\n",
+        SETTINGS_FILE: json.dumps(sb.settings(), indent=1) + "\n",
     }
 
 
-def hosts_file(sb: Sandbox) -> str:
+def hosts_file(sb: SandboxLayout) -> str:
     lines = ["127.0.0.1 localhost", f"{sb.net}.1 {sb.prefix}login"]
     lines += [f"{sb.node_address(h)} {h}" for h in sb.host_names()]
     return "\n".join(lines) + "\n"
@@ -58,7 +55,7 @@ def read_machine_nsswitch() -> str:
         return ""
 
 
-def gres_conf(sb: Sandbox) -> str:
+def gres_conf(sb: SandboxLayout) -> str:
     lines = ["AutoDetect=off"]
     if sb.gpus_per_node:
         names = ",".join(sb.node_names())
@@ -67,7 +64,7 @@ def gres_conf(sb: Sandbox) -> str:
     return "\n".join(lines) + "\n"
 
 
-def slurm_conf(sb: Sandbox) -> str:
+def slurm_conf(sb: SandboxLayout) -> str:
     r = sb.root
     gres = f" Gres=gpu:{sb.gpus_per_node}" if sb.gpus_per_node else ""
     nodes = "\n".join(
@@ -124,7 +121,7 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 
 
 # ------------------------------------------------------------------------------------------ writing
-def write_files(sb: Sandbox) -> None:
+def write_files(sb: SandboxLayout) -> None:
     """Fresh state, run and log folders, and every file of root/etc (sandbox.json last: it marks a
     complete build)."""
     for stale in ("state", "run", "log"):

@@ -7,7 +7,7 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
-from hpcserve.core.config import DeploymentConfig, SiteSpec
+from hpcserve.core.config import DeploymentConfig, SiteSpec, format_error, load_config
 from hpcserve.core.errors import ConfigError
 
 
@@ -28,7 +28,6 @@ def load_site_file(path: str | Path) -> SiteSpec:
     try:
         return SiteSpec.model_validate(raw)
     except ValidationError as exc:
-        from hpcserve.core.config import format_error
 
         lines = [format_error({**e, "loc": ("site", *e["loc"])}, {"site": raw}) for e in exc.errors(include_url=False)]
         raise ConfigError(f"{path}: " + "; ".join(lines)) from None
@@ -43,6 +42,5 @@ def with_site(cfg: DeploymentConfig, site: SiteSpec | None) -> DeploymentConfig:
 
 def load_with_site(config_path: str | Path, site_path: str | Path | None) -> DeploymentConfig:
     """`CONFIG [--site FILE]`: the deployment file, its site section replaced by the site file if given."""
-    from hpcserve.core.config import load_config
 
     return with_site(load_config(config_path), load_site_file(site_path) if site_path else None)

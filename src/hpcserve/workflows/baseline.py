@@ -11,11 +11,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
+from hpcserve import api
+from hpcserve.benchmark.bench import BenchOptions, run_benchmark
 from hpcserve.benchmark.compare import columns_by_load, scaling_efficiency
 from hpcserve.benchmark.plots import write_plots
-from hpcserve.benchmark.runner import BenchOptions, run_benchmark
 from hpcserve.benchmark.summary import BenchResult
 from hpcserve.core.config import DeploymentConfig, Layout, load_config
+from hpcserve.core.errors import StageError
+from hpcserve.workflows.validate import single_node
 
 
 def workers(cfg: DeploymentConfig) -> int:
@@ -24,15 +27,11 @@ def workers(cfg: DeploymentConfig) -> int:
 
 
 def serve_and_measure(cfg: DeploymentConfig, options: BenchOptions, on_event: Callable | None) -> BenchResult:
-    from hpcserve import api
-    from hpcserve.core.errors import StageError
-    from hpcserve.core.state import resolve_endpoint
-
     result = api.up(cfg, on_event=on_event)
     try:
-        if result.status != "ready":
+        if result.status is not api.RunStatus.READY:
             raise StageError("baseline", f"{cfg.name} did not become ready", str(result.run_dir))
-        return run_benchmark(resolve_endpoint(cfg.name), replace(options, gpus=workers(cfg)), target=cfg.name,
+        return run_benchmark(api.endpoints(cfg.name), replace(options, gpus=workers(cfg)), target=cfg.name,
                              command=["hpcserve", "baseline"])
     finally:
         api.down(cfg.name)
@@ -61,7 +60,6 @@ def _ms(value: float | None) -> str:
 
 
 def baseline(config_path: str | Path, options: BenchOptions, on_event: Callable | None = None) -> Path:
-    from hpcserve.workflows.validate import single_node
 
     cfg = load_config(config_path)
     folder = Path(cfg.results_dir).resolve() / "logs" / cfg.name / "baseline"

@@ -14,9 +14,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
+from hpcserve import api
+from hpcserve.benchmark.bench import BenchOptions, run_benchmark
+from hpcserve.benchmark.loadgen import LoadShape
+from hpcserve.benchmark.workload import LengthRange
 from hpcserve.core.config import DeploymentConfig, Layout, load_config, slots_per_node
-from hpcserve.core.state import TIMELINE_FILE, read_json, resolve_endpoint
+from hpcserve.core.runstate import read_timeline
 from hpcserve.core.timeline import stage_durations
+from hpcserve.deployment.preflight import model_config_for, resolve_model_path
+from hpcserve.monitoring.sampler import read_samples
 
 
 @dataclass
@@ -87,21 +93,15 @@ def load_figures(run) -> LoadFigures:
 
 def validate(config_path: str | Path, concurrency: int = 8, num_prompts: int = 32, input_len: int = 64,
              output_len: int = 32, on_event: Callable | None = None) -> Validation:
-    from hpcserve import api
-    from hpcserve.benchmark.loadgen import LoadShape
-    from hpcserve.benchmark.runner import BenchOptions, run_benchmark
-    from hpcserve.benchmark.workload import LengthRange
-    from hpcserve.monitoring.sampler import read_samples
 
     cfg = single_node(load_config(config_path))
     result = api.up(cfg, on_event=on_event)
     run_dir = result.run_dir
     try:
-        if result.status != "ready":
-            state = read_json(run_dir / "state.json", {}) or {}
+        if result.status is not api.RunStatus.READY:
             return Validation(cfg.name, str(run_dir), False, result.seconds, 0.0, [], memory_figures({}, 0, 0),
-                              error=json.dumps(state.get("error")))
-        endpoints = resolve_endpoint(cfg.name)
+                              error=json.dumps(result.error))
+        endpoints = api.endpoints(cfg.name)
         options = BenchOptions(loads=(LoadShape(concurrency=1), LoadShape(concurrency=concurrency)),
                                num_prompts=num_prompts, input_len=LengthRange(input_len, input_len),
                                output_len=output_len, vocab_size=_vocab_size(cfg), timeout_s=600)
@@ -109,7 +109,7 @@ def validate(config_path: str | Path, concurrency: int = 8, num_prompts: int = 3
         time.sleep(1.5)  # one more monitor sample after the load (the sampler writes every second)
     finally:
         api.down(cfg.name)
-    timeline = read_json(run_dir / TIMELINE_FILE, []) or []
+    timeline = read_timeline(run_dir)
     engine = [e["time"] for e in timeline if e["stage"] == "engine"]
     durations = stage_durations(timeline)
     memory = memory_figures(read_samples(run_dir), engine[0], engine[1]) if len(engine) >= 2 else memory_figures({}, 0, 0)
@@ -120,7 +120,6 @@ def validate(config_path: str | Path, concurrency: int = 8, num_prompts: int = 3
 
 
 def _vocab_size(cfg: DeploymentConfig) -> int:
-    from hpcserve.deployment.preflight import model_config_for, resolve_model_path
 
     model_config = model_config_for(cfg, resolve_model_path(cfg)) or {}
     return int(model_config.get("vocab_size", 32000))

@@ -10,9 +10,13 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from hpcserve import api
+from hpcserve.core.registry import list_names
+from hpcserve.core.statuses import RunStatus
 from hpcserve.monitoring.metrics import Gatherer, NodeMetrics, ReplicaMetrics, Snapshot
 
-STATUS_STYLE = {"ready": "green", "failed": "red", "dead": "red", "unknown": "red", "degraded": "yellow"}
+STATUS_STYLE = {RunStatus.READY: "green", RunStatus.FAILED: "red", RunStatus.DEAD: "red", "unknown": "red",
+                RunStatus.DEGRADED: "yellow"}
 
 
 def _num(value: float | None, digits: int = 1, unit: str = "") -> str:
@@ -88,14 +92,13 @@ def render_all(snapshots: list[Snapshot], interval: float) -> Group:
 def watch(name: str | None, interval: float = 2.0, console: Console | None = None,
           iterations: int | None = None) -> None:
     """Show one deployment (or every registered one) until Ctrl-C (or `iterations` refreshes, for tests)."""
-    from hpcserve.core.state import list_names
 
     gatherers: dict[str, Gatherer] = {}
 
     def frame() -> Group:
         names = [name] if name else list_names()
         for n in names:
-            gatherers.setdefault(n, Gatherer(n, max_age_s=0.0))
+            gatherers.setdefault(n, api.gatherer(n, max_age_s=0.0))
         return render_all([gatherers[n].snapshot() for n in names], interval)
 
     count = 0

@@ -15,13 +15,25 @@ from typing import Protocol
 
 import aiohttp
 
-from hpcserve.benchmark.loadgen import (LoadShape, RequestInput, RequestOutput, auth_headers, make_session,
-                                        run_load, send_request)
+from hpcserve.benchmark.loadgen import (
+    LoadShape,
+    RequestInput,
+    RequestOutput,
+    make_session,
+    run_load,
+    send_request,
+)
 from hpcserve.benchmark.summary import BenchResult, BenchRun, RequestRecord, summarize
-from hpcserve.benchmark.workload import (DEFAULT_VOCAB_SIZE, LengthRange, arrival_offsets, load_dataset,
-                                         random_token_prompts)
+from hpcserve.benchmark.workload import (
+    DEFAULT_VOCAB_SIZE,
+    LengthRange,
+    arrival_offsets,
+    load_dataset,
+    random_token_prompts,
+)
 from hpcserve.core.errors import HpcserveError, UsageError
-from hpcserve.core.state import Endpoint
+from hpcserve.core.keys import bearer
+from hpcserve.engine.client import Endpoint
 
 DEFAULT_NUM_PROMPTS = 100
 
@@ -139,7 +151,7 @@ async def discover_model(endpoint: Endpoint, timeout_s: float = 30.0) -> str:
     try:
         timeout = aiohttp.ClientTimeout(total=timeout_s)
         async with (aiohttp.ClientSession(timeout=timeout, trust_env=False) as session,
-                    session.get(url, headers=auth_headers(endpoint.api_key), raise_for_status=True) as response):
+                    session.get(url, headers=bearer(endpoint.api_key), raise_for_status=True) as response):
             return (await response.json(content_type=None))["data"][0]["id"]
     except aiohttp.ClientResponseError as exc:
         if exc.status in (401, 403):

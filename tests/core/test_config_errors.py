@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from helpers import REPO, run_cli
 
 LOCAL = yaml.safe_load((REPO / "examples" / "local.yaml").read_text())

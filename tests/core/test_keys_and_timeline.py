@@ -4,32 +4,34 @@ from __future__ import annotations
 
 import pytest
 
-from hpcserve.benchmark.runner import unauthorized_message
+from hpcserve.benchmark.bench import unauthorized_message
 from hpcserve.core.errors import UsageError
-from hpcserve.core.state import API_KEY_FILE, API_KEY_SOURCE_FILE, key_variable, read_api_key
+from hpcserve.core.keys import key_variable, read_api_key
+from hpcserve.core.paths import RunPaths
 from hpcserve.core.timeline import breakdown_line, stage_breakdown
 
 
 def test_generated_key_comes_from_its_file(tmp_path):
-    (tmp_path / API_KEY_FILE).write_text("generated-key\n")
-    (tmp_path / API_KEY_SOURCE_FILE).write_text(f"{tmp_path / API_KEY_FILE}\n")
+    paths = RunPaths(tmp_path)
+    paths.api_key.write_text("generated-key\n")
+    paths.api_key_source.write_text(f"{paths.api_key}\n")
     assert read_api_key(tmp_path, environ={}) == "generated-key"
 
 
 def test_key_from_the_variable_up_used(tmp_path):
-    (tmp_path / API_KEY_SOURCE_FILE).write_text("$MY_KEY\n")
+    RunPaths(tmp_path).api_key_source.write_text("$MY_KEY\n")
     assert key_variable(tmp_path) == "MY_KEY"
     assert read_api_key(tmp_path, environ={"MY_KEY": "from-env"}) == "from-env"
 
 
 def test_unset_variable_says_which_to_export(tmp_path):
-    (tmp_path / API_KEY_SOURCE_FILE).write_text("$MY_KEY\n")
+    RunPaths(tmp_path).api_key_source.write_text("$MY_KEY\n")
     with pytest.raises(UsageError, match=r"\$MY_KEY .*export MY_KEY"):
         read_api_key(tmp_path, environ={})
 
 
 def test_no_key_configured(tmp_path):
-    (tmp_path / API_KEY_SOURCE_FILE).write_text("none\n")
+    RunPaths(tmp_path).api_key_source.write_text("none\n")
     assert read_api_key(tmp_path, environ={}) is None
     assert read_api_key(tmp_path / "missing", environ={}) is None
 

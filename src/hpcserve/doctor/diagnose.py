@@ -19,12 +19,22 @@ from pathlib import Path
 import yaml
 
 from hpcserve.core.config import BUILTIN_TINY, DeploymentConfig, Layout
-from hpcserve.doctor.checks import (SINFO_FORMAT, Captured, check_accounting, check_commands, check_controller,
-                                    check_partition, check_submission, check_time)
+from hpcserve.core.errors import HpcserveError
+from hpcserve.deployment.preflight import resolve_model_path
+from hpcserve.doctor.checks import (
+    SINFO_FORMAT,
+    Captured,
+    check_accounting,
+    check_commands,
+    check_controller,
+    check_partition,
+    check_submission,
+    check_time,
+)
 from hpcserve.doctor.findings import Finding, blocker, info, ok, warning
 from hpcserve.doctor.probe import IMMEDIATE_S, check_probe, probe_argv
-from hpcserve.core.errors import HpcserveError
 from hpcserve.site.profiles import SiteProfile, profile_for
+from hpcserve.slurm.render import render_batch_script
 
 Runner = Callable[[list[str], float], Captured]
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -95,7 +105,6 @@ def ordered(findings: list[Finding]) -> list[Finding]:
 
 def locate_model(cfg: DeploymentConfig) -> tuple[str | None, list[Finding]]:
     """The model folder the job would load (None for a hub id), as the login node sees it."""
-    from hpcserve.deployment.preflight import resolve_model_path
 
     try:
         path = resolve_model_path(cfg)
@@ -154,7 +163,6 @@ def enforce_setting(runner: Runner) -> str:
 
 
 def test_submission(cfg: DeploymentConfig, python: str, results: Path, runner: Runner) -> Captured:
-    from hpcserve.slurm.render import render_batch_script
 
     text = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
     try:

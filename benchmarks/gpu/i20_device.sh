@@ -1,0 +1,324 @@
+#!/bin/bash
+# Issue 20 on the H200 device machine (after ../shared/gpu's install calls): weight loading, compile-cache
+# warm start, cache-aware routing. One phase per device call; the exact sequence is in .gpu/PLAN.md.
+# State that must outlive a call (model folder, compile cache, results so far) stays on the machine
+# (under /tmp/i20 and the disk folder named in /tmp/i20/base) while it is warm, i.e. while calls follow
+# each other within 30 s. Each phase returns at most 4 files under $OUT: summary.txt (its log lines and
+# the tables so far), results.jsonl (every result of every phase so far), raw_PHASE.tar.gz (server,
+# router and client logs of this phase), and nothing deeper.
+#
+#   gen                       model folder (Llama-3.1-8B shape) + 16.06 GB random bf16 safetensors on a
+#                             disk-backed folder; page-cache checks (drop_caches, posix_fadvise, read GB/s)
+#   pyc                       byte-compile the vllm package (so a cold start measures torch.compile only)
+#   micro [--budget S]        vLLM 0.26's weight iterators alone, cold page cache (i20_loaders.py)
+#   ready CASE... [--budget S]
+#                             time to ready (first completion) of plain `vllm serve`, one server at a time:
+#                             compile:cold   --load-format dummy, empty VLLM_CACHE_ROOT (+ Triton/Inductor dirs)
+#                             compile:warm   the same, cache kept from the runs before
+#                             load:auto      real weights, default loader, model files evicted first
+#                             load:auto-warm real weights, default loader, files left in the page cache
+#                             load:best      real weights, the fastest working loader of `micro`
+#                             load:NAME      NAME: runai_streamer fastsafetensors instanttensor prefetch
+#                                            multithread8 eager
+#   routing [WORKLOAD:POLICY...] [--budget S]
+#                             two replicas on the one GPU + vllm-router 0.1.17; WORKLOAD pre | mt | cal,
+#                             POLICY round_robin | cache_aware | consistent_hash | power_of_two | random
+# A step is skipped (and says so) when it might not end within the budget (seconds since the phase began).
+set -uo pipefail
+T_START=$(date +%s)
+HERE=$(cd "$(dirname "$0")" && pwd)
+PY=python3
+export PATH="$($PY -c 'import sys,os;print(os.path.dirname(sys.executable))'):$PATH"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_ALLREDUCE_USE_SYMM_MEM=0
+export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 RAY_USAGE_STATS_ENABLED=0
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+
+PHASE=${1:?phase}; shift
+BUDGET=540; ARGS=()
+while [ $# -gt 0 ]; do case $1 in --budget) BUDGET=$2; shift 2;; *) ARGS+=("$1"); shift;; esac; done
+I20=${I20:-/tmp/i20}; mkdir -p "$I20"
+OUT=${OUT:-$I20/out}; mkdir -p "$OUT"
+RAW=$I20/raw/$PHASE-$(date +%H%M%S); mkdir -p "$RAW"
+RES=$I20/results.jsonl; touch "$RES"
+SUM=$OUT/summary.txt
+# What every `vllm serve` here shares (the issue's flags); I20_COMMON overrides it for a CPU dry run.
+COMMON=${I20_COMMON:---served-model-name m --host 127.0.0.1 --dtype bfloat16 --max-model-len 2048 --disable-custom-all-reduce}
+KV_BYTES=${I20_KV_BYTES:-38654705664}   # 36 GiB of KV cache per routing replica (~ --gpu-memory-utilization 0.42)
+REPLICA_MEM=${I20_REPLICA_MEM:---gpu-memory-utilization 0.42 --kv-cache-memory-bytes $KV_BYTES}
+# Dry-run knobs (CPU): I20_MODEL_ARGS (i20_model.py sizes), I20_PRE_ARGS / I20_MT_ARGS / I20_CAL_ARGS (client).
+STARTED=()
+
+log() { echo "[+$(( $(date +%s) - T_START ))s] $*" | tee -a "$SUM"; }
+now() { date +%s.%N; }
+since() { $PY -c "print(round($(now)-$1,1))"; }
+left() { echo $(( BUDGET - ($(date +%s) - T_START) )); }
+rec() { $PY "$HERE/i20_util.py" record "$RES" "$@"; }
+
+pick_base() { # a disk-backed folder with room for two copies of the model (the 2nd: staging)
+  if [ -s "$I20/base" ]; then cat "$I20/base"; return; fi
+  local d t avail
+  for d in /tmp /var/tmp /root /opt /home; do
+    [ -d "$d" ] && [ -w "$d" ] || continue
+    t=$(stat -f -c %T "$d" 2>/dev/null); avail=$(df -P -B1G "$d" 2>/dev/null | awk 'NR==2{print $4}')
+    case $t in tmpfs|ramfs) continue;; esac
+    [ "${avail:-0}" -ge 36 ] && { echo "$d/i20data" | tee "$I20/base"; return; }
+  done
+  echo /tmp/i20data | tee "$I20/base"
+}
+BASE=$(pick_base); mkdir -p "$BASE"
+MODEL=$BASE/llama8b
+VC=$BASE/vcache
+
+tree_pids() { echo "$1 $($PY "$HERE/i20_util.py" tree "$1" 2>/dev/null)"; }
+stop_tree() { # PID: SIGTERM to it and its descendants (by id), SIGKILL after 20 s
+  local pids p alive i
+  pids=$(tree_pids "$1")
+  kill -TERM $pids 2>/dev/null
+  for i in $(seq 40); do
+    alive=0; for p in $pids; do kill -0 "$p" 2>/dev/null && alive=1; done
+    [ $alive = 0 ] && break; sleep 0.5
+  done
+  kill -KILL $pids 2>/dev/null; wait "$1" 2>/dev/null
+}
+gpu_free() { # until the GPU is nearly empty again
+  command -v nvidia-smi >/dev/null || return 0
+  local i used
+  for i in $(seq 120); do
+    used=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1)
+    [ "${used:-0}" -lt 1500 ] && return 0; sleep 0.5
+  done; log "warning: GPU memory still in use (${used} MiB)"
+}
+wait_ready() { # URL PID DEADLINE_S: until a completion answers. rc 0 ready, 1 process died, 2 deadline
+  local end=$(( $(date +%s) + $3 ))
+  while [ "$(date +%s)" -lt $end ]; do
+    curl -sf -m 10 "$1/v1/completions" -H 'Content-Type: application/json' \
+      -d '{"model":"m","prompt":"w11 w12 w13 w14","max_tokens":4}' >/dev/null && return 0
+    kill -0 "$2" 2>/dev/null || return 1
+    sleep 0.5
+  done; return 2
+}
+fail_tail() { # LOG: last lines of a failed server's log into the summary
+  log "---- tail of $1"; tail -n 25 "$1" | cut -c1-300 | tee -a "$SUM"
+}
+cleanup() {
+  local p
+  for p in "${STARTED[@]}"; do kill -0 "$p" 2>/dev/null && stop_tree "$p"; done
+  tar czf "$OUT/raw_$PHASE.tar.gz" -C "$RAW" . 2>/dev/null
+  cp "$RES" "$OUT/results.jsonl" 2>/dev/null
+  { echo "==== results so far"; $PY "$HERE/i20_util.py" table "$RES"; } 2>&1 | tee -a "$SUM"
+  log "phase $PHASE done"
+}
+trap cleanup EXIT
+
+ensure_cudart() { # fastsafetensors dlopens the unversioned "libcudart.so"; torch's wheels ship only .so.13
+  if $PY -c "import ctypes; ctypes.CDLL('libcudart.so')" 2>/dev/null; then log "libcudart.so: found"; return; fi
+  local f
+  f=$($PY - <<'PY'
+import glob, os, sys
+c = []
+for d in sys.path + ["/usr/local/cuda/lib64", "/usr/local/cuda/targets/x86_64-linux/lib"]:
+    if os.path.isdir(d):
+        c += glob.glob(os.path.join(d, "nvidia", "**", "libcudart.so*"), recursive=True)
+        c += glob.glob(os.path.join(d, "libcudart.so*"))
+c = sorted(set(c), key=lambda p: (".so.13" not in p, p))
+print(c[0] if c else "")
+PY
+)
+  if [ -z "$f" ]; then log "libcudart.so: none found (fastsafetensors will fail)"; return; fi
+  mkdir -p "$I20/cudart"; ln -sf "$f" "$I20/cudart/libcudart.so"
+  export LD_LIBRARY_PATH=$I20/cudart${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  log "libcudart.so -> $f (LD_LIBRARY_PATH)"
+}
+
+leftovers() { # a server a killed call left behind would hold the GPU: report it (its id), stop it
+  local f p
+  for f in "$I20"/pid.*; do
+    [ -e "$f" ] || continue; p=$(cat "$f")
+    if kill -0 "$p" 2>/dev/null; then log "stopping leftover pid $p ($f)"; stop_tree "$p"; fi
+    rm -f "$f"
+  done
+}
+start_bg() { # NAME LOG CMD...: a background child (no new session: the device ends it with the call)
+  local name=$1 logf=$2; shift 2
+  "$@" > "$logf" 2>&1 &
+  BG=$!; STARTED+=("$BG"); echo "$BG" > "$I20/pid.$name"
+}
+
+# ------------------------------------------------------------------ gen
+phase_gen() {
+  log "base folder $BASE ($(stat -f -c %T "$BASE"), $(df -P -BG "$BASE" | awk 'NR==2{print $4}') free)"
+  { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; uname -r; nproc
+    free -g | head -2; df -h /tmp "$BASE" | tail -n +2; stat -f -c '/tmp: %T' /tmp
+    $PY -c "import torch, safetensors, transformers; print('torch', torch.__version__, 'safetensors', safetensors.__version__, 'transformers', transformers.__version__)"
+  } 2>&1 | tee -a "$SUM"
+  local t0 j
+  t0=$(now)
+  j=$($PY "$HERE/i20_model.py" "$MODEL" --weights ${I20_MODEL_ARGS:-} 2> "$RAW/gen.err") || { log "model build FAILED"; tail -20 "$RAW/gen.err" | tee -a "$SUM"; return 1; }
+  log "model: $j (wall $(since "$t0") s)"; rec phase=gen step=model "result=$j"
+  du -sh "$MODEL" | tee -a "$SUM"
+  # resident after writing; whether drop_caches works here; posix_fadvise eviction; a cold read (after the
+  # eviction: what "cold" costs on this disk) and a warm one (page cache)
+  for step in resident dropcaches evict readbw readbw; do
+    j=$($PY "$HERE/i20_pagecache.py" $step "$MODEL" 2>&1 | tail -1)
+    log "pagecache $step: $j"; rec phase=gen step=$step "result=$j"
+  done
+}
+
+# ------------------------------------------------------------------ pyc
+phase_pyc() {
+  local d t0
+  d=$($PY -c "import importlib.util as u; print(u.find_spec('vllm').submodule_search_locations[0])")
+  local rc
+  t0=$(now)
+  $PY -m compileall -q -j 16 "$d" > "$RAW/compileall.log" 2>&1; rc=$?
+  log "byte-compiled $d in $(since "$t0") s (rc $rc)"
+}
+
+# ------------------------------------------------------------------ micro
+phase_micro() {
+  [ -f "$MODEL/model.safetensors.index.json" ] || { log "no model at $MODEL: run gen first"; return 1; }
+  ensure_cudart
+  $PY -c "import runai_model_streamer, fastsafetensors, instanttensor, vllm; print('vllm', vllm.__version__, '| fastsafetensors', fastsafetensors.__version__)" 2>&1 | tail -2 | tee -a "$SUM"
+  local avail; avail=$(df -P -B1G "$BASE" | awk 'NR==2{print $4}')
+  local stage=(--stage-dir "$BASE/stage")
+  [ "${avail:-0}" -ge 20 ] || { stage=(); log "only ${avail} GB free: no staging copy"; }
+  $PY "$HERE/i20_loaders.py" all "$MODEL" "$RES" --logdir "$RAW" --budget $(( $(left) - 15 )) "${stage[@]}" 2>&1 | tee -a "$SUM"
+  log "best non-default loader for load:best -> $($PY "$HERE/i20_util.py" best "$RES")"
+}
+
+# ------------------------------------------------------------------ ready
+loader_args() {
+  case $1 in
+    auto) echo "";;
+    runai_streamer) echo "--load-format runai_streamer";;
+    fastsafetensors) echo "--load-format fastsafetensors";;
+    instanttensor) echo "--load-format instanttensor";;
+    prefetch) echo "--safetensors-load-strategy prefetch";;
+    multithread8) echo '--model-loader-extra-config {"enable_multithread_load":true,"num_threads":8}';;
+    eager) echo "--safetensors-load-strategy eager";;
+    *) echo "UNKNOWN";;
+  esac
+}
+run_ready() { # CASE
+  local case=$1 n=$2 real=1 evict=1 lname=auto largs="" est=150 dl ev='"none"' t0 rc ready pid logf
+  case $case in
+    compile:cold) real=0; est=230;;
+    compile:warm) real=0; est=130;;
+    load:auto) ;;
+    load:auto-warm) evict=0;;
+    load:best) IFS='|' read -r lname largs <<< "$($PY "$HERE/i20_util.py" best "$RES")";;
+    load:*) lname=${case#load:}; largs=$(loader_args "$lname");;
+    *) log "unknown case $case"; return;;
+  esac
+  [ "$largs" = UNKNOWN ] && { log "unknown loader $lname"; return; }
+  if [ "$(left)" -lt $est ]; then log "$case skipped: $(left) s left (needs ~$est)"; rec phase=ready case=$case ok=false skipped=true; return; fi
+  gpu_free
+  [ $case = compile:cold ] && rm -rf "$VC"
+  [ $case = compile:warm ] && [ ! -d "$VC" ] && log "warning: compile:warm with no cache folder (it will compile)"
+  mkdir -p "$VC/triton-pre" "$VC/inductor-pre"
+  if [ $real = 1 ]; then
+    [ -f "$MODEL/model.safetensors.index.json" ] || { log "$case: no weights at $MODEL"; return; }
+    if [ $evict = 1 ]; then ev=$($PY "$HERE/i20_pagecache.py" evict "$MODEL" | tail -1)
+    else ev=$($PY "$HERE/i20_pagecache.py" resident "$MODEL" | tail -1); fi
+  fi
+  local fmt=""; [ $real = 0 ] && fmt="--load-format dummy"
+  logf=$RAW/serve_${n}_${case//:/-}.log
+  dl=$(( $(left) - 25 )); [ $dl -gt 480 ] && dl=480
+  log "$case: vllm serve $fmt $largs (deadline ${dl} s; page cache: $ev)"
+  t0=$(now)
+  VLLM_CACHE_ROOT=$VC TRITON_CACHE_DIR=$VC/triton-pre TORCHINDUCTOR_CACHE_DIR=$VC/inductor-pre \
+    start_bg ready "$logf" vllm serve "$MODEL" $COMMON --port 8001 $fmt $largs
+  pid=$BG
+  wait_ready http://127.0.0.1:8001 $pid $dl; rc=$?
+  ready=$(since "$t0")
+  stop_tree $pid; rm -f "$I20/pid.ready"
+  local ls; ls=$($PY "$HERE/i20_util.py" logstats "$logf")
+  if [ $rc = 0 ]; then log "$case ($lname) ready_s=$ready  $ls"
+  else log "$case ($lname) FAILED (rc $rc: 1 died, 2 deadline) after $ready s"; fail_tail "$logf"; fi
+  rec phase=ready case=$case loader=$lname ok=$([ $rc = 0 ] && echo true || echo false) ready_s=$ready \
+      "log=$ls" "pagecache=$ev" "args=$fmt $largs" run=$n
+  gpu_free
+}
+phase_ready() {
+  ensure_cudart
+  local i=0 c
+  for c in "${ARGS[@]}"; do i=$((i + 1)); run_ready "$c" $i; done
+}
+
+# ------------------------------------------------------------------ routing
+replica() { # IDX PORT
+  VLLM_SERVER_DEV_MODE=1 VLLM_PORT=$((30000 + 1000 * $1)) VLLM_DP_MASTER_PORT=$((40000 + 1000 * $1)) \
+    VLLM_CACHE_ROOT=$VC TRITON_CACHE_DIR=$VC/triton-pre TORCHINDUCTOR_CACHE_DIR=$VC/inductor-pre \
+    start_bg "replica$1" "$RAW/replica$1.log" vllm serve "$MODEL" $COMMON --port "$2" --load-format dummy $REPLICA_MEM
+}
+phase_routing() {
+  [ -f "$MODEL/config.json" ] || { log "no model folder at $MODEL: run gen first"; return 1; }
+  local runs=("${ARGS[@]}")
+  [ ${#runs[@]} = 0 ] && runs=(pre:round_robin pre:cache_aware pre:consistent_hash mt:round_robin mt:cache_aware
+                               mt:consistent_hash cal:round_robin cal:cache_aware)
+  gpu_free
+  mkdir -p "$VC/triton-pre" "$VC/inductor-pre"
+  local t0 p1 p2 rc1 rc2
+  t0=$(now)
+  replica 1 8001; p1=$BG
+  replica 2 8002; p2=$BG
+  wait_ready http://127.0.0.1:8001 $p1 360; rc1=$?
+  wait_ready http://127.0.0.1:8002 $p2 120; rc2=$?
+  log "replicas started together: rc $rc1/$rc2 after $(since "$t0") s"
+  if [ $rc1 != 0 ] || [ $rc2 != 0 ]; then # one at a time then (the second sees the first's memory)
+    [ $rc1 != 0 ] && { fail_tail "$RAW/replica1.log"; stop_tree $p1; cp "$RAW/replica1.log" "$RAW/replica1.first.log"; replica 1 8001; p1=$BG; wait_ready http://127.0.0.1:8001 $p1 300; rc1=$?; }
+    [ $rc2 != 0 ] && { fail_tail "$RAW/replica2.log"; stop_tree $p2; cp "$RAW/replica2.log" "$RAW/replica2.first.log"; replica 2 8002; p2=$BG; wait_ready http://127.0.0.1:8002 $p2 300; rc2=$?; }
+    log "replicas after retry: rc $rc1/$rc2 after $(since "$t0") s"
+  fi
+  local l1 l2; l1=$($PY "$HERE/i20_util.py" logstats "$RAW/replica1.log"); l2=$($PY "$HERE/i20_util.py" logstats "$RAW/replica2.log")
+  rec phase=routing step=replicas ok=$([ $rc1 = 0 ] && [ $rc2 = 0 ] && echo true || echo false) ready_s=$(since "$t0") "r1=$l1" "r2=$l2"
+  log "replica 1: $l1"; log "replica 2: $l2"
+  [ $rc1 = 0 ] && [ $rc2 = 0 ] || { fail_tail "$RAW/replica1.log"; fail_tail "$RAW/replica2.log"; return 1; }
+  nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader 2>/dev/null | sed 's/^/GPU memory: /' | tee -a "$SUM"
+  local K; K=$(echo "$l1" | $PY -c 'import json,sys; print(int(json.load(sys.stdin).get("kv_cache_tokens") or 294912))')
+  # Working sets sized on the KV cache: ~1.3x one replica's tokens, ~0.65x the pool's.
+  local P=$(( (13 * K) / (10 * 1900) )) S=$(( (12 * K) / (10 * 1788) ))
+  log "KV cache per replica: $K tokens -> pre/cal: $P prefixes of 1900 tokens ($(( P * 1900 )) tokens), mt: $S sessions"
+  local i=0 spec wl pol cargs est seed rp rrc
+  for spec in "${runs[@]}"; do
+    i=$((i + 1)); wl=${spec%%:*}; pol=${spec#*:}; seed=$((1000 + i))
+    case $wl in
+      pre) est=80; cargs=(${I20_PRE_ARGS:---mode prefix --num-prefixes $P --prefix-len 1900 --suffix-len 100 --output-len 16 --num-requests $((4 * P)) --concurrency 128});;
+      cal) est=100; cargs=(${I20_CAL_ARGS:---mode prefix --num-prefixes $P --prefix-len 1900 --suffix-len 100 --output-len 64 --num-requests $((4 * P)) --concurrency 32});;
+      mt) est=100; cargs=(${I20_MT_ARGS:---mode multiturn --sessions $S --turns 6 --user-len 250 --output-len 48 --concurrency 64});;
+      *) log "unknown workload $wl"; continue;;
+    esac
+    if [ "$(left)" -lt $est ]; then log "$spec skipped: $(left) s left"; rec phase=routing workload=$wl policy=$pol ok=false skipped=true; continue; fi
+    start_bg router "$RAW/router_${i}_$pol.log" $PY -m vllm_router.launch_router --worker-urls http://127.0.0.1:8001 http://127.0.0.1:8002 \
+      --policy "$pol" --host 127.0.0.1 --port 8000 --log-level warning --prometheus-port 29001 --worker-startup-check-interval 1
+    rp=$BG
+    wait_ready http://127.0.0.1:8000 $rp 60; rrc=$?
+    if [ $rrc != 0 ]; then log "router ($pol) not ready: rc $rrc"; fail_tail "$RAW/router_${i}_$pol.log"; stop_tree $rp; continue; fi
+    local r1 r2; r1=$(curl -s -m 30 -X POST http://127.0.0.1:8001/reset_prefix_cache); r2=$(curl -s -m 30 -X POST http://127.0.0.1:8002/reset_prefix_cache)
+    $PY "$HERE/i20_util.py" metrics http://127.0.0.1:8001 "$RAW/m${i}_r1_before.json" >/dev/null
+    $PY "$HERE/i20_util.py" metrics http://127.0.0.1:8002 "$RAW/m${i}_r2_before.json" >/dev/null
+    local tl=$(( $(left) - 10 )); [ $tl -lt 30 ] && tl=30
+    local cj; cj=$(timeout $tl $PY "$HERE/i20_prefix_client.py" --url http://127.0.0.1:8000 --seed $seed \
+        --session-header --out "$RAW/client_${i}_${wl}_$pol.json" "${cargs[@]}" 2> "$RAW/client_${i}.err" | tail -1)
+    $PY "$HERE/i20_util.py" metrics http://127.0.0.1:8001 "$RAW/m${i}_r1_after.json" >/dev/null
+    $PY "$HERE/i20_util.py" metrics http://127.0.0.1:8002 "$RAW/m${i}_r2_after.json" >/dev/null
+    local md; md=$($PY "$HERE/i20_util.py" mdiff "$RAW/m${i}_r1_before.json" "$RAW/m${i}_r1_after.json" "$RAW/m${i}_r2_before.json" "$RAW/m${i}_r2_after.json")
+    [ -n "$cj" ] || { cj='{}'; log "client failed:"; tail -5 "$RAW/client_${i}.err" | tee -a "$SUM"; }
+    log "$wl/$pol seed $seed (reset: $r1 $r2)"; log "  client: $cj"; log "  metrics: $md"
+    rec phase=routing workload=$wl policy=$pol seed=$seed ok=true "client=$cj" "metrics=$md" kv_tokens=$K \
+        "sizes={\"P\":$P,\"S\":$S}" run=$i
+    stop_tree $rp; rm -f "$I20/pid.router"
+  done
+  stop_tree $p1; stop_tree $p2; rm -f "$I20/pid.replica1" "$I20/pid.replica2"
+}
+
+leftovers
+log "phase $PHASE (budget $BUDGET s) on $(hostname); base $BASE"
+case $PHASE in
+  gen) phase_gen;;
+  pyc) phase_pyc;;
+  micro) phase_micro;;
+  ready) phase_ready;;
+  routing) phase_routing;;
+  *) log "unknown phase $PHASE";;
+esac

@@ -1,0 +1,204 @@
+"""Issue 20 (3): a shared-prefix load for a pool of vLLM replicas behind a router, streamed.
+
+usage: i20_prefix_client.py --url URL --out OUT.json --seed S [--model m] [--concurrency C] [--session-header]
+         --mode prefix    --num-prefixes P --prefix-len L --suffix-len X --output-len O --num-requests N
+         --mode multiturn --sessions S --turns T --user-len U --output-len O
+
+Why not `vllm bench serve --dataset-name prefix_repetition`: it sends every request with its own
+`x-request-id` header (vllm/benchmarks/lib/endpoint_request_func.py:145 in the 0.26 wheel), and
+vllm-router's consistent_hash policy keys on the first of x-session-id, x-user-id, x-tenant-id,
+x-correlation-id, x-request-id, x-trace-id, then the body's user/session fields, then a hash of the whole
+body (src/policies/hash_key.rs): under vllm bench, consistent_hash is random routing. This client sends
+`x-session-id: <prefix or session id>` (--session-header; every policy gets the same requests, only
+consistent_hash reads it) and no x-request-id.
+
+Prompts are strings of the i20_model.py tokenizer's words ('w123 w456 ...', one token each), so their
+token lengths are exact and a shared prefix is a shared string prefix (what cache_aware matches on).
+- prefix: P random prefixes of L tokens; N requests, N/P per prefix, each prefix + its own X-token
+  suffix, in a seeded random order, at most C in flight, O output tokens each (ignore_eos).
+- multiturn: S conversations of T turns; turn k sends the whole history (earlier prompts and answers)
+  plus U new tokens and waits for the answer (O tokens) before the next turn; C conversations at a time.
+A few short unrelated warm-up requests go first (not timed, no shared prefix).
+Writes OUT.json (config + summary) and OUT.requests.jsonl (one line per request).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+import aiohttp
+
+
+def words(rng: random.Random, n: int, vocab: int) -> str:
+    return " ".join(f"w{rng.randrange(3, vocab)}" for _ in range(n))
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    v = sorted(values)
+    return v[min(len(v) - 1, int(round(q / 100 * (len(v) - 1))))]
+
+
+async def complete(session: aiohttp.ClientSession, a, prompt: str, key: str | None) -> dict:
+    body = {"model": a.model, "prompt": prompt, "max_tokens": a.output_len, "ignore_eos": True,
+            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+    headers = {"x-session-id": key} if (key is not None and a.session_header) else {}
+    t0 = time.perf_counter()
+    ttft, text, usage, chunks, err = None, [], None, 0, None
+    try:
+        async with session.post(a.url + "/v1/completions", json=body, headers=headers) as r:
+            if r.status != 200:
+                err = f"HTTP {r.status}: {(await r.text())[:200]}"
+            else:
+                async for raw in r.content:
+                    line = raw.strip()
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        break
+                    msg = json.loads(data)
+                    if msg.get("usage"):
+                        usage = msg["usage"]
+                    for ch in msg.get("choices") or []:
+                        if ttft is None:
+                            ttft = time.perf_counter() - t0
+                        chunks += 1
+                        text.append(ch.get("text") or "")
+    except Exception as e:  # noqa: BLE001 -- a failed request is counted, not fatal
+        err = f"{type(e).__name__}: {e}"[:200]
+    e2e = time.perf_counter() - t0
+    out = {"ok": err is None and ttft is not None, "ttft": ttft, "e2e": e2e, "error": err, "chunks": chunks,
+           "prompt_tokens": (usage or {}).get("prompt_tokens"),
+           "completion_tokens": (usage or {}).get("completion_tokens", chunks), "text": "".join(text)}
+    return out
+
+
+async def warmup(session, a) -> None:
+    rng = random.Random(a.seed + 999_999)
+    saved = a.output_len
+    a.output_len = 4
+    await asyncio.gather(*(complete(session, a, words(rng, 64, a.vocab), None) for _ in range(8)))
+    a.output_len = saved
+
+
+async def run_prefix(session, a, records: list[dict]) -> None:
+    rng = random.Random(a.seed)
+    prefixes = [words(rng, a.prefix_len, a.vocab) for _ in range(a.num_prefixes)]
+    per = a.num_requests // a.num_prefixes
+    jobs = [(p, prefixes[p] + " " + words(rng, a.suffix_len, a.vocab)) for p in range(a.num_prefixes)
+            for _ in range(per)]
+    rng.shuffle(jobs)
+    sem = asyncio.Semaphore(a.concurrency)
+
+    async def one(i: int, p: int, prompt: str) -> None:
+        async with sem:
+            r = await complete(session, a, prompt, f"p{p}")
+            r.pop("text")
+            records.append({"i": i, "group": p, "turn": 0, **r})
+
+    await asyncio.gather(*(one(i, p, prompt) for i, (p, prompt) in enumerate(jobs)))
+
+
+async def run_multiturn(session, a, records: list[dict]) -> None:
+    rng = random.Random(a.seed)
+    users = [[words(rng, a.user_len, a.vocab) for _ in range(a.turns)] for _ in range(a.sessions)]
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for s in range(a.sessions):
+        queue.put_nowait(s)
+
+    async def worker() -> None:
+        while True:
+            try:
+                s = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            history = ""
+            for t in range(a.turns):
+                prompt = (history + " " + users[s][t]).strip()
+                r = await complete(session, a, prompt, f"s{s}")
+                answer = r.pop("text").strip()
+                records.append({"i": len(records), "group": s, "turn": t, **r})
+                if not r["ok"]:
+                    break
+                history = prompt + " " + answer
+
+    await asyncio.gather(*(worker() for _ in range(a.concurrency)))
+
+
+def summarize(records: list[dict], duration: float, a) -> dict:
+    ok = [r for r in records if r["ok"]]
+    ttft = [r["ttft"] * 1e3 for r in ok]
+    e2e = [r["e2e"] * 1e3 for r in ok]
+    out_tok = sum(r["completion_tokens"] or 0 for r in ok)
+    in_tok = sum(r["prompt_tokens"] or 0 for r in ok)
+    tpot = [(r["e2e"] - r["ttft"]) * 1e3 / (r["completion_tokens"] - 1) for r in ok
+            if (r["completion_tokens"] or 0) > 1]
+    s = {"requests": len(records), "ok": len(ok), "failed": len(records) - len(ok), "duration_s": round(duration, 2),
+         "req_s": round(len(ok) / duration, 3), "output_tok_s": round(out_tok / duration, 1),
+         "input_tok_s": round(in_tok / duration, 1), "prompt_tokens": in_tok, "completion_tokens": out_tok,
+         "ttft_mean_ms": round(statistics.mean(ttft), 1) if ttft else None,
+         **{f"ttft_p{q}_ms": (round(pct(ttft, q), 1) if ttft else None) for q in (50, 90, 99)},
+         "e2e_p50_ms": round(pct(e2e, 50), 1) if e2e else None, "e2e_p99_ms": round(pct(e2e, 99), 1) if e2e else None,
+         "tpot_mean_ms": round(statistics.mean(tpot), 2) if tpot else None,
+         "first_errors": [r["error"] for r in records if not r["ok"]][:3]}
+    if a.mode == "multiturn":
+        for t in sorted({r["turn"] for r in ok}):
+            v = [r["ttft"] * 1e3 for r in ok if r["turn"] == t]
+            s[f"ttft_p50_ms_turn{t + 1}"] = round(pct(v, 50), 1)
+    return s
+
+
+async def main_async(a) -> None:
+    conn = aiohttp.TCPConnector(limit=0, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=a.timeout)
+    records: list[dict] = []
+    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
+        await warmup(session, a)
+        t0 = time.perf_counter()
+        if a.mode == "prefix":
+            await run_prefix(session, a, records)
+        else:
+            await run_multiturn(session, a, records)
+        duration = time.perf_counter() - t0
+    config = {k: v for k, v in vars(a).items() if k not in ("out",)}
+    summary = summarize(records, duration, a)
+    out = Path(a.out)
+    out.write_text(json.dumps({"config": config, "summary": summary}, indent=1))
+    with out.with_suffix(".requests.jsonl").open("w") as f:
+        for r in sorted(records, key=lambda r: r["i"]):
+            f.write(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}) + "\n")
+    print(json.dumps(summary))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--url", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seed", type=int, required=True)
+    ap.add_argument("--model", default="m")
+    ap.add_argument("--mode", choices=["prefix", "multiturn"], default="prefix")
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--session-header", action="store_true")
+    ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--output-len", type=int, default=16)
+    ap.add_argument("--num-prefixes", type=int, default=200)
+    ap.add_argument("--prefix-len", type=int, default=1900)
+    ap.add_argument("--suffix-len", type=int, default=100)
+    ap.add_argument("--num-requests", type=int, default=800)
+    ap.add_argument("--sessions", type=int, default=200)
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--user-len", type=int, default=250)
+    asyncio.run(main_async(ap.parse_args()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""One name for every file of a run folder `<results_dir>/logs/<name>-<id>/`, so that no module spells a
+file name of its own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    root: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", Path(self.root))
+
+    # what the run is and what it is doing
+    @property
+    def config(self) -> Path:
+        """The deployment's config as validated at `up` (the driver and the controller read it)."""
+        return self.root / "config.yaml"
+
+    @property
+    def state(self) -> Path:
+        """What is running now: status, stage, replicas, members, decisions, the error if any."""
+        return self.root / "state.json"
+
+    @property
+    def timeline(self) -> Path:
+        """One timestamp per stage."""
+        return self.root / "timeline.json"
+
+    # secrets (mode 0600)
+    @property
+    def api_key(self) -> Path:
+        """The endpoint's key, when hpcserve generated it."""
+        return self.root / "api_key"
+
+    @property
+    def api_key_source(self) -> Path:
+        """Where clients find the key: the file above, $VARIABLE, or none."""
+        return self.root / "api_key_source"
+
+    @property
+    def router_key(self) -> Path:
+        """The key the router process reads (never its command line)."""
+        return self.root / ".router_key"
+
+    @property
+    def ray_token(self) -> Path:
+        """Ray's token authentication for this run's cluster."""
+        return self.root / "ray_auth_token"
+
+    # what the processes write
+    @property
+    def job_script(self) -> Path:
+        return self.root / "job.sbatch"
+
+    @property
+    def slurm_out(self) -> Path:
+        return self.root / "slurm.out"
+
+    @property
+    def driver_log(self) -> Path:
+        return self.root / "driver.log"
+
+    @property
+    def endpoint_log(self) -> Path:
+        return self.root / "endpoint.log"
+
+    @property
+    def router_log(self) -> Path:
+        return self.root / "router.log"
+
+    @property
+    def health(self) -> Path:
+        """The distributed health check's report."""
+        return self.root / "health.json"
+
+    @property
+    def engines(self) -> Path:
+        return self.root / "engines"
+
+    def engine_log(self, replica: int, rank: int, host: str) -> Path:
+        return self.engines / f"replica{replica}-rank{rank}-{host}.log"
+
+    @property
+    def monitor(self) -> Path:
+        """One JSON-lines file of samples per node."""
+        return self.root / "monitor"
+
+    def node_dir(self, node: str) -> Path:
+        """Ray's files of one node (ray-start.log, launch.log, node.json)."""
+        return self.root / "nodes" / node
+
+    @property
+    def members(self) -> Path:
+        """An endpoint's member deployments: their results folder (their run folders are in logs/)."""
+        return self.root / "members"
+
+    def member_run_dirs(self) -> list[Path]:
+        return sorted(p for p in (self.members / "logs").glob("*") if p.is_dir())

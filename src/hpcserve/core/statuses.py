@@ -1,0 +1,88 @@
+"""Every status word hpcserve writes or shows, as enums. They are `str` enums: state.json keeps the same
+words, and a status compares equal to its word."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class RunStatus(StrEnum):
+    """A deployment's status, as its driver or endpoint writes it into state.json."""
+
+    SUBMITTED = "submitted"  # nothing written yet: the job waits, or the process is starting
+    STARTING = "starting"
+    READY = "ready"
+    CHECKED = "checked"  # `hpcserve check`: the health check passed and Ray stopped again
+    FAILED = "failed"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    # What `status` says when what is alive now contradicts the file:
+    DEAD = "dead"  # the file says running, but its process or job is gone
+    DEGRADED = "degraded"  # ready, but a replica does not answer
+
+    @property
+    def final(self) -> bool:
+        """`up` stops following at these."""
+        return self in (RunStatus.READY, RunStatus.FAILED, RunStatus.STOPPED, RunStatus.CHECKED)
+
+    @property
+    def ended(self) -> bool:
+        return self in (RunStatus.FAILED, RunStatus.STOPPED)
+
+
+class RunKind(StrEnum):
+    """What a registered deployment's own process is."""
+
+    DRIVER = "driver"  # the stages of one deployment: local process or Slurm job
+    ENDPOINT = "endpoint"  # the router and controller in front of member deployments
+
+
+class MemberStatus(StrEnum):
+    """A member deployment behind an endpoint, as its controller sees it."""
+
+    LAUNCHING = "launching"
+    SERVING = "serving"  # its replicas are in the pool
+    DRAINING = "draining"  # out of the pool on purpose; stops once its requests finished
+    STOPPING = "stopping"
+    GONE = "gone"
+    FAILED = "failed"  # never became ready
+
+    @property
+    def live(self) -> bool:
+        return self in (MemberStatus.LAUNCHING, MemberStatus.SERVING, MemberStatus.DRAINING)
+
+    @property
+    def lost(self) -> bool:
+        return self in (MemberStatus.STOPPING, MemberStatus.GONE, MemberStatus.FAILED)
+
+
+class MemberRole(StrEnum):
+    """Why a member was launched."""
+
+    INITIAL = "initial"
+    REPLACEMENT = "replacement"  # self-healing: for a lost one
+    SCALE_UP = "scale-up"  # the autoscaler
+    SUCCESSOR = "successor"  # the walltime handover
+
+
+class Stage(StrEnum):
+    """The stages of `up`, in timeline.json."""
+
+    SUBMITTED = "submitted"
+    QUEUE = "queue"
+    RAY = "ray"
+    HEALTH = "health"
+    ENGINE = "engine"
+    ROUTER = "router"
+    READY = "ready"
+    STOPPED = "stopped"
+    DRIVER = "driver"
+
+
+class StageEvent(StrEnum):
+    """What happened to a stage, in timeline.json."""
+
+    STARTED = "started"
+    DONE = "done"
+    FAILED = "failed"
+    WAITING = "waiting"  # the job waits in Slurm's queue

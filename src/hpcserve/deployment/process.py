@@ -1,0 +1,63 @@
+"""The skeleton every long-running hpcserve process shares (the driver, the endpoint controller):
+`python -m MODULE RUN_DIR`, signals that end it in order, every failure reported by stage into the run
+folder (never a bare traceback), and what it started torn down whatever happened."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+from hpcserve.core.errors import HpcserveError, StageError
+from hpcserve.core.runstate import RunStateWriter
+from hpcserve.core.statuses import RunStatus, Stage
+
+
+class Stop(Exception):
+    """SIGTERM/SIGINT arrived: wind down."""
+
+
+def raise_stop(signum, _frame) -> None:
+    raise Stop(signal.Signals(signum).name)
+
+
+def install_stop_handlers(handler=raise_stop) -> None:
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def run_to_end(writer: RunStateWriter, body: Callable[[], None], teardown: Callable[[], None],
+               own_log: Path, first_stage: str) -> int:
+    """Run body; report how it ended into state.json; always tear down. Returns the exit code."""
+    try:
+        body()
+        return 0
+    except Stop as why:
+        writer.update(status=RunStatus.STOPPING, stop_reason=str(why))
+        return 0
+    except StageError as exc:
+        writer.fail(exc.stage, exc.diagnosis, exc.log)
+        return 1
+    except HpcserveError as exc:
+        writer.fail(writer.state.get("stage", first_stage), str(exc), str(own_log))
+        return 1
+    except Exception as exc:  # noqa: BLE001 - any other failure is still reported by stage
+        traceback.print_exc()
+        writer.fail(writer.state.get("stage", first_stage), f"{type(exc).__name__}: {exc}", str(own_log))
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # finish tearing down even if signalled again
+        try:
+            teardown()
+        finally:
+            if writer.status not in (RunStatus.FAILED, RunStatus.CHECKED):
+                writer.update(status=RunStatus.STOPPED)
+            writer.done(Stage.STOPPED)
+
+
+def process_main(run: Callable[[Path], int], module: str) -> None:
+    if len(sys.argv) != 2:
+        sys.exit(f"usage: python -m {module} RUN_DIR")
+    sys.exit(run(Path(sys.argv[1]).resolve()))

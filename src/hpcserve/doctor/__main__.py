@@ -1,3 +1,0 @@
-from hpcserve.cli.doctor import main
-
-main()

@@ -1,0 +1,46 @@
+"""Scale with the load: one more member when the queue stays above target, drain an idle one. The
+decision itself is decisions.decide_scale (pure)."""
+
+from __future__ import annotations
+
+import time
+
+from hpcserve.core.config import AutoscaleSpec
+from hpcserve.core.statuses import MemberRole, MemberStatus
+from hpcserve.endpoint.decisions import decide_scale, update_idle_since
+from hpcserve.endpoint.healing import MAX_FAILED_LAUNCHES
+from hpcserve.endpoint.members import single_replica
+from hpcserve.endpoint.policy import ControlPlane
+
+
+class Autoscaler:
+    name = "scale"
+
+    def __init__(self, spec: AutoscaleSpec | None):
+        self.spec = spec
+        self.idle_since: dict[str, float] = {}  # backend -> when it last had a request waiting or running
+
+    def step(self, ctl: ControlPlane) -> None:
+        history = ctl.pool.history
+        if self.spec is None or not history:
+            return
+        self.idle_since = update_idle_since(self.idle_since, history[-1], history[-2] if len(history) > 1 else None)
+        starting = sum(1 for m in ctl.members if m.status is MemberStatus.LAUNCHING)
+        decision = decide_scale(self.spec, history, len(ctl.serving_backends()), starting, self.idle_since,
+                                time.time())
+        if decision.action == "up" and ctl.failed_launches >= MAX_FAILED_LAUNCHES:
+            # No launch loop on a site where members cannot start: say it once, until one joins again.
+            if not any(d.action == "scale up held" for d in ctl.decisions[-20:]):
+                ctl.decide("scale up held", f"{decision.reason}, but the last {ctl.failed_launches} launches "
+                           "never became ready; see their errors in `hpcserve status`")
+            return
+        if decision.action == "up":
+            ctl.decide("scale up", decision.reason)
+            ctl.launch(MemberRole.SCALE_UP, single_replica(ctl.base_layout()))
+            history.clear()  # judge the next step on the load the new replica sees
+        elif decision.action == "down" and decision.backend:
+            ctl.decide("scale down", decision.reason)
+            ctl.drain(decision.backend, f"drained: {decision.reason}")
+
+    def forget(self, url: str) -> None:
+        self.idle_since.pop(url, None)

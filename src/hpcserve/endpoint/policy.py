@@ -1,0 +1,41 @@
+"""What a policy of the controller (self-healing, autoscale, handover) may see and do: the controller
+as this Protocol, so that policies depend on an interface, not on the controller's module."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from hpcserve.core.config import Layout
+from hpcserve.core.runstate import Decision
+from hpcserve.core.statuses import MemberRole
+from hpcserve.endpoint.members import Member
+from hpcserve.endpoint.pool import Pool
+
+
+class ControlPlane(Protocol):
+    members: list[Member]
+    decisions: list[Decision]
+    failed_launches: int
+    pool: Pool
+
+    def launch(self, role: MemberRole, layout: Layout, replaces: str | None = None, group: int = 0) -> Member: ...
+
+    def drain(self, url: str, why: str) -> None: ...
+
+    def decide(self, action: str, reason: str) -> None: ...
+
+    def member(self, name: str) -> Member: ...
+
+    def base_layout(self) -> Layout: ...
+
+    def serving_backends(self) -> list[str]: ...
+
+
+class Policy(Protocol):
+    name: str
+
+    def step(self, ctl: ControlPlane) -> None:
+        """One round's decision, carried out through ctl."""
+
+    def forget(self, url: str) -> None:
+        """A backend left the pool."""
