@@ -45,6 +45,7 @@ SUM=$OUT/summary.txt
 COMMON=${I20_COMMON:---served-model-name m --host 127.0.0.1 --dtype bfloat16 --max-model-len 2048 --disable-custom-all-reduce}
 KV_BYTES=${I20_KV_BYTES:-38654705664}   # 36 GiB of KV cache per routing replica (~ --gpu-memory-utilization 0.42)
 REPLICA_MEM=${I20_REPLICA_MEM:---gpu-memory-utilization 0.42 --kv-cache-memory-bytes $KV_BYTES}
+VLLM=${I20_VLLM:-vllm}   # a dry run may put a stand-in server here
 # Dry-run knobs (CPU): I20_MODEL_ARGS (i20_model.py sizes), I20_PRE_ARGS / I20_MT_ARGS / I20_CAL_ARGS (client).
 STARTED=()
 
@@ -227,7 +228,7 @@ run_ready() { # CASE
   log "$case: vllm serve $fmt $largs (deadline ${dl} s; page cache: $ev)"
   t0=$(now)
   VLLM_CACHE_ROOT=$VC TRITON_CACHE_DIR=$VC/triton-pre TORCHINDUCTOR_CACHE_DIR=$VC/inductor-pre \
-    start_bg ready "$logf" vllm serve "$MODEL" $COMMON --port 8001 $fmt $largs
+    start_bg ready "$logf" $VLLM serve "$MODEL" $COMMON --port 8001 $fmt $largs
   pid=$BG
   wait_ready http://127.0.0.1:8001 $pid $dl; rc=$?
   ready=$(since "$t0")
@@ -249,7 +250,7 @@ phase_ready() {
 replica() { # IDX PORT
   VLLM_SERVER_DEV_MODE=1 VLLM_PORT=$((30000 + 1000 * $1)) VLLM_DP_MASTER_PORT=$((40000 + 1000 * $1)) \
     VLLM_CACHE_ROOT=$VC TRITON_CACHE_DIR=$VC/triton-pre TORCHINDUCTOR_CACHE_DIR=$VC/inductor-pre \
-    start_bg "replica$1" "$RAW/replica$1.log" vllm serve "$MODEL" $COMMON --port "$2" --load-format dummy $REPLICA_MEM
+    start_bg "replica$1" "$RAW/replica$1.log" $VLLM serve "$MODEL" $COMMON --port "$2" --load-format dummy $REPLICA_MEM
 }
 phase_routing() {
   [ -f "$MODEL/config.json" ] || { log "no model folder at $MODEL: run gen first"; return 1; }

@@ -86,7 +86,7 @@ def test_watch_view_shows_replicas_and_nodes(gatherer):
     console.print(render(gatherer.snapshot()))
     text = console.export_text()
     assert "d1 degraded" in text and "healthy" in text and "DOWN" in text and "ConnectError" in text
-    assert "n1" in text and "50.0 %" in text and "512 MiB" in text
+    assert "n1" in text and " 50.0 " in text and " 0.5 " in text  # CPU %, engine RSS in GiB
 
 
 def test_watch_without_deployments(tmp_path, monkeypatch):

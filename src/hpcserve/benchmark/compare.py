@@ -10,10 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from rich.table import Table
+from rich.console import RenderableType
 
 from hpcserve.benchmark.report import METRIC_ROWS
 from hpcserve.benchmark.summary import BenchResult, BenchRun, load_result
+from hpcserve.core.tables import narrow_table, with_lines
 
 
 @dataclass(frozen=True)
@@ -47,25 +48,24 @@ def columns_by_load(named_results: list[tuple[str, BenchResult]]) -> dict[str, l
     return groups
 
 
-def comparison_table(label: str, columns: list[Column]) -> Table:
+def comparison_table(label: str, columns: list[Column]) -> RenderableType:
+    """One column per result file, named [1], [2], ... with the files' paths (whole) below the table."""
     per_gpu = all(column.gpus for column in columns)
-    table = Table(title=f"load: {label}", title_justify="left")
-    table.add_column("metric")
-    for column in columns:
-        table.add_column(column.name, justify="right")
+    table = narrow_table(f"load: {label}", "metric", *(f"[{i}]" for i in range(1, len(columns) + 1)),
+                         left=("metric",))
     for row_name, render in METRIC_ROWS:
         table.add_row(row_name, *(render(column.run.summary) for column in columns))
     table.add_row("GPUs", *(str(column.gpus or "?") for column in columns))
     efficiency_name = "scaling efficiency" if per_gpu else "throughput vs first"
     table.add_row(efficiency_name, *(_percent(scaling_efficiency(columns[0], column)) for column in columns))
-    return table
+    return with_lines(table, [f"[{i}] {column.name}" for i, column in enumerate(columns, start=1)])
 
 
 def _percent(value: float | None) -> str:
     return "-" if value is None else f"{100.0 * value:.0f}%"
 
 
-def compare_files(paths: list[str | Path]) -> list[Table]:
+def compare_files(paths: list[str | Path]) -> list[RenderableType]:
     """One table per load point of the first file; the files that lack that load point are left out."""
     named = [(str(path), load_result(path)) for path in paths]
     return [comparison_table(label, columns) for label, columns in columns_by_load(named).items()]

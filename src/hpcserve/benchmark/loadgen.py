@@ -71,6 +71,14 @@ class LoadShape:
             parts.append(f"rate={self.request_rate:g}")
         return ",".join(parts)
 
+    @property
+    def short_label(self) -> str:
+        """For a column header: c=8, 2.5 r/s, or both."""
+        parts = [f"c={self.concurrency}"] if self.concurrency is not None else []
+        if not math.isinf(self.request_rate) or not parts:
+            parts.append(f"{self.request_rate:g} r/s")
+        return " ".join(parts)
+
     def as_dict(self) -> dict:
         """JSON-safe: an infinite rate is written "inf" (strict JSON has no Infinity)."""
         rate = "inf" if math.isinf(self.request_rate) else self.request_rate

@@ -4,17 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from rich.table import Table
+from rich.console import RenderableType
 
-from hpcserve.benchmark.summary import BenchResult, LatencyStats, RunSummary
+from hpcserve.benchmark.loadgen import LoadShape
+from hpcserve.benchmark.summary import BenchResult, RunSummary
+from hpcserve.core.tables import narrow_table, with_lines
 
 
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
-
-
-def _p50_p99(stats: LatencyStats) -> str:
-    return f"{_ms(stats.p50)} / {_ms(stats.p99)}"
 
 
 # Shared with `--compare`, so both tables read the same way.
@@ -23,24 +21,23 @@ METRIC_ROWS: list[tuple[str, Callable[[RunSummary], str]]] = [
     ("requests/s", lambda s: f"{s.request_throughput:.2f}"),
     ("output tok/s", lambda s: f"{s.output_throughput:.1f}"),
     ("input tok/s", lambda s: f"{s.input_throughput:.1f}"),
-    ("TTFT p50 / p99 (ms)", lambda s: _p50_p99(s.ttft_ms)),
-    ("TPOT p50 / p99 (ms)", lambda s: _p50_p99(s.tpot_ms)),
-    ("ITL p50 / p99 (ms)", lambda s: _p50_p99(s.itl_ms)),
-    ("E2E p50 / p99 (ms)", lambda s: _p50_p99(s.e2e_ms)),
+    *((f"{name} {pct} ms", lambda s, attr=attr, pct=pct: _ms(getattr(getattr(s, attr), pct)))
+      for name, attr in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E", "e2e_ms"))
+      for pct in ("p50", "p99")),
     ("goodput (req/s)", lambda s: "-" if s.goodput is None else f"{s.goodput:.2f}"),
 ]
 
 
-def summary_table(result: BenchResult) -> Table:
-    table = Table(title=f"{result.target}: {len(result.endpoints)} endpoint(s), {result.date}", title_justify="left")
-    table.add_column("metric")
-    for run in result.runs:
-        table.add_column(run.label, justify="right")
+def summary_table(result: BenchResult) -> RenderableType:
+    """One column per load point; reads at 80 columns for up to four load points."""
+    table = narrow_table(f"{len(result.endpoints)} endpoint(s), {result.date}", "metric",
+                         *(LoadShape.from_dict(run.load).short_label for run in result.runs), left=("metric",))
     for name, render in METRIC_ROWS:
         table.add_row(name, *(render(run.summary) for run in result.runs))
-    return table
+    return with_lines(table, [f"target: {result.target}"])
 
 
 def error_lines(result: BenchResult) -> list[str]:
     """The first distinct errors of each run that had failures."""
     return [f"[{run.label}] {error}" for run in result.runs for error in run.summary.first_errors]
+

@@ -99,7 +99,6 @@ def _show(result: BenchResult, console: Console) -> None:
 
 
 def _compare(files: list[str], console: Console) -> None:
-
     if len(files) < 2:
         raise UsageError("--compare needs at least two results files: hpcserve bench --compare A.json B.json")
     for table in compare_files(files):

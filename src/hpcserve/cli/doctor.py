@@ -27,7 +27,6 @@ def doctor(config: Path = typer.Argument(..., help="deployment YAML", show_defau
     controller, partition, GRES, account/QOS, the batch script (sbatch --test-only), and from inside the
     compute nodes (one short srun step): the model folder, Ray/vLLM imports, the serving port.
     Exit code 2 on a blocker, 0 otherwise (warnings allowed)."""
-
     out = Console(soft_wrap=True)
     try:
         cfg = load_with_site(config, site)

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
-from rich.table import Table
+from rich.console import Console, Group
+from rich.text import Text
 
 from hpcserve import api
 from hpcserve.benchmark.bench import BenchOptions
@@ -24,7 +24,10 @@ from hpcserve.cli.sandbox import app as sandbox_app
 from hpcserve.cli.watch import watch as live
 from hpcserve.core.config import Layout, load_config
 from hpcserve.core.errors import HpcserveError, UsageError
+from hpcserve.core.paths import RunPaths
+from hpcserve.core.runstate import RunState
 from hpcserve.core.statuses import RunStatus, Stage, StageEvent
+from hpcserve.core.tables import narrow_table
 from hpcserve.core.timeline import breakdown_line
 from hpcserve.deployment.preflight import model_config_for, resolve_model_path
 from hpcserve.deployment.runs import config_yaml
@@ -87,7 +90,6 @@ def up(config: Path = ConfigArg,
 
     Returns while the deployment keeps running; stop it with `hpcserve down NAME`.
     """
-
     t0 = time.monotonic()
     spinner = console.status("submitting", spinner="dots")
 
@@ -102,8 +104,7 @@ def up(config: Path = ConfigArg,
     with spinner:
         result = api.up(load_with_site(config, site) if site else config, on_event=show, timeout_s=timeout)
     if result.status is not RunStatus.READY:
-        state = api.read_json(result.run_dir / api.STATE_FILE, {}) or {}
-        error = state.get("error") or {}
+        error = result.error or {}
         if error:
             err.print(f"[bold red]failed[/] at stage '{error['stage']}': {error['diagnosis']}", highlight=False)
         else:
@@ -165,38 +166,46 @@ def status(name: Optional[str] = typer.Argument(None, help="one deployment; defa
     if not rows:
         console.print("no deployments. Start one with `hpcserve up CONFIG`.")
         return
-    table = Table(title="deployments")
-    for col in ("name", "status", "stage", "runner", "replicas", "results folder"):
-        table.add_column(col)
+    console.print(status_view(rows))
     for r in rows:
-        reps = "\n".join(f"{x['index']}: {x['url']} {'healthy' if x['healthy'] else 'DOWN'}" for x in r.replicas) or "-"
-        table.add_row(r.name, _colour(r.status), r.stage or "-", r.runner, reps, r.run_dir)
-    console.print(table)
-    for r in rows:
-        _show_endpoint(r)
-        if r.stages:
-            console.print(f"{r.name}: {breakdown_line(r.stages)}", highlight=False)
         if r.error:
             err.print(f"{r.name}: stage '{r.error['stage']}' failed: {r.error['diagnosis']} (read {r.error.get('log')})",
                       highlight=False)
 
 
-def cfg_model(result: api.UpResult) -> str:
-    return result.replicas[0]["model"] if result.replicas else "?"
+def status_view(rows: list[api.DeploymentStatus]) -> Group:
+    """The deployments in a table that reads at 80 columns; for each, below it: what runs it, its
+    endpoint and replicas (URLs whole), members, last decisions, results folder and where up's time went."""
+    table = narrow_table("deployments", "name", "status", "stage", "replicas", left=("name", "status", "stage"))
+    lines: list[str] = []
+    for r in rows:
+        healthy = sum(1 for x in r.replicas if x["healthy"])
+        table.add_row(r.name, _colour(r.status), r.stage or "-", f"{healthy}/{len(r.replicas)} up" if r.replicas else "-")
+        lines += deployment_lines(r)
+    return Group(table, *(Text(line, no_wrap=True, overflow="ignore") for line in lines))
 
 
-def _show_endpoint(r: api.DeploymentStatus) -> None:
-    if not r.endpoint:
-        return
-    console.print(f"{r.name}: endpoint {r.endpoint}/v1", highlight=False)
+def deployment_lines(r: api.DeploymentStatus) -> list[str]:
+    lines = [f"{r.name}: {r.runner}"]
+    if r.endpoint:
+        lines.append(f"  endpoint {r.endpoint}/v1")
+    lines += [f"  replica {x['index']}: {x['url']} {'healthy' if x['healthy'] else 'DOWN'}" for x in r.replicas]
     for m in r.members:
         ready = f", ready after {m['ready_s']:.0f} s" if m.get("ready_s") else ""
         note = f" ({m['note']})" if m.get("note") else ""
         role = f"{m['role']}, group {m['group']}" if m.get("group") else m["role"]
-        console.print(f"  member {m['name']} [{role}] {m['status']}{ready}: {m['runner']}{note}", highlight=False)
+        lines.append(f"  member {m['name']} [{role}] {m['status']}{ready}: {m['runner']}{note}")
     for d in r.decisions[-8:]:
         when = time.strftime("%H:%M:%S", time.localtime(d["time"]))
-        console.print(f"  {when} {d['action']}: {d['reason']}", highlight=False)
+        lines.append(f"  {when} {d['action']}: {d['reason']}")
+    lines.append(f"  results folder: {r.run_dir}")
+    if r.stages:
+        lines.append(f"  where the time went: {breakdown_line(r.stages)}")
+    return lines
+
+
+def cfg_model(result: api.UpResult) -> str:
+    return result.replicas[0]["model"] if result.replicas else "?"
 
 
 def _colour(state: str) -> str:
@@ -249,7 +258,6 @@ def _follow(files: list[Path]) -> None:
 @guarded
 def render(config: Path = ConfigArg, site: Optional[Path] = SiteOption):
     """Print the sbatch script `up` would submit (dry run; nothing is submitted)."""
-
     cfg = load_with_site(config, site)
     print(render_batch_script(cfg, config_yaml(cfg), sys.executable, Path(cfg.results_dir).resolve()), end="")
 
@@ -262,11 +270,10 @@ def check(config: Path = ConfigArg):
 
     `up` runs the same check as one of its stages.
     """
-
     run_dir, data = api.check(config, on_event=lambda e: console.print(f"· {e.stage} {e.event} {e.detail}", highlight=False))
     if not data:
-        state = api.read_json(run_dir / api.STATE_FILE, {}) or {}
-        error = state.get("error") or {}
+        failure = RunState.read(run_dir).error
+        error = failure.to_dict() if failure else {}
         err.print(f"[red]check failed[/] at stage '{error.get('stage', '?')}': {error.get('diagnosis', '?')}")
         err.print(f"read: {error.get('log') or run_dir}")
         raise typer.Exit(1)
@@ -274,7 +281,7 @@ def check(config: Path = ConfigArg):
     console.print(render_table(report))
     for line in render_lines(report):
         console.print(line, highlight=False)
-    console.print(f"report: {run_dir / 'health.json'}")
+    console.print(f"report: {RunPaths(run_dir).health}")
     if not report.ok:
         raise typer.Exit(1)
 
@@ -291,7 +298,6 @@ def plan(config: Optional[Path] = typer.Argument(None, help="deployment YAML (se
     explains weights per GPU, KV-cache capacity, the concurrent sequences that fit at max_model_len and, with
     an expected concurrency, how loaded each replica is. `parallelism: auto` uses the same choice.
     """
-
     if list_models:
 
         for line in listing():
@@ -325,7 +331,6 @@ def validate(config: Path = ConfigArg,
 
     Writes validation.json and validation.md into RESULTS/logs/NAME/.
     """
-
     cfg = load_config(config)
     result = run_validation(config, concurrency, num_prompts, input_len, output_len,
                             on_event=lambda e: console.print(f"· {e.stage} {e.event} {e.detail}", highlight=False))
@@ -345,7 +350,6 @@ def baseline(config: Path = ConfigArg,
              output_len: int = typer.Option(64, min=1, help="generated tokens per request")):
     """Benchmark a single-node layout and the configured multi-node layout with the same load, one after
     the other, and report the scaling efficiency (markdown + plots in RESULTS/logs/NAME/baseline/)."""
-
     try:
         loads = tuple(LoadShape(concurrency=int(c)) for c in concurrency.split(","))
     except ValueError:

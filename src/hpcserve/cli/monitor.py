@@ -17,7 +17,6 @@ def monitor(name: str = typer.Argument(..., help="deployment name (the 'name' in
                                      "deployment's API key on /api/status and /metrics"),
             port: int = typer.Option(9400, min=0, max=65535, help="port to listen on (0: any free port)")):
     """Serve a live dashboard (/), its JSON (/api/status) and Prometheus metrics (/metrics) for a deployment."""
-
     try:
         api.load_record(name)  # an unknown name fails now, with the known ones listed
         key = api.api_key_for(name)

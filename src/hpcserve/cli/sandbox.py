@@ -11,9 +11,9 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
 from hpcserve.core.errors import HpcserveError
+from hpcserve.core.tables import narrow_table
 from hpcserve.sandbox.cluster import Sandbox, SandboxStatus
 
 app = typer.Typer(
@@ -47,13 +47,13 @@ def reports_errors(command: Callable) -> Callable:
 
 
 def print_status(status: SandboxStatus) -> None:
-    table = Table(title=f"sandbox {'healthy' if status.healthy else 'NOT healthy'} ({status.root})")
-    for column in ("host", "address", "daemon pid", "slurm state"):
-        table.add_column(column)
+    table = narrow_table(f"sandbox {'healthy' if status.healthy else 'NOT healthy'}", "host", "address",
+                         "daemon pid", "slurm state", left=("host", "address", "slurm state"))
     for host in [status.controller, *status.nodes]:
         table.add_row(host.name, host.address, str(host.daemon_pid or "-"), host.state)
     console.print(table)
-    console.print(f"munged pid: {status.munged_pid or '-'}    SLURM_CONF={status.slurm_conf}")
+    console.print(f"munged pid: {status.munged_pid or '-'}\nroot: {status.root}\nSLURM_CONF={status.slurm_conf}",
+                  highlight=False, soft_wrap=True)
 
 
 @app.command()

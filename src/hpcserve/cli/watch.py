@@ -13,6 +13,7 @@ from rich.text import Text
 from hpcserve import api
 from hpcserve.core.registry import list_names
 from hpcserve.core.statuses import RunStatus
+from hpcserve.core.tables import narrow_table
 from hpcserve.monitoring.metrics import Gatherer, NodeMetrics, ReplicaMetrics, Snapshot
 
 STATUS_STYLE = {RunStatus.READY: "green", RunStatus.FAILED: "red", RunStatus.DEAD: "red", "unknown": "red",
@@ -39,32 +40,39 @@ def gpus_cell(sample: dict) -> str:
     gpus = sample.get("gpus")
     if not gpus:
         return "none"
-    return "\n".join(f"{g['index']}: {g['util_pct']}% {_mib(g['mem_used_mb'])}/{_mib(g['mem_total_mb'])}" for g in gpus)
+    return "\n".join(f"{g['index']}: {g['util_pct']}% {_gib(g['mem_used_mb'])}/{_gib(g['mem_total_mb'])}" for g in gpus)
+
+
+def _gib(mib: float | None) -> str:
+    return "-" if mib is None else f"{mib / 1024:.1f}"
 
 
 def node_table(nodes: list[NodeMetrics]) -> Table:
-    table = Table(title="nodes", title_justify="left", expand=False)
-    for col in ("node", "CPU", "RAM used", "engine RSS", "engine CPU", "GPUs (util mem)", "last sample"):
-        table.add_column(col)
+    """Memory in GiB, CPU in %; a GPU as index: utilisation used/total GiB."""
+    table = narrow_table("nodes", "node", "CPU %", "RAM", "engine", "engine CPU %", "GPUs", "sample",
+                         left=("node", "GPUs", "sample"))
     for n in nodes:
         s = n.latest or {}
-        age = "no samples" if n.age_s is None else f"{n.age_s:.0f} s ago"
-        table.add_row(n.host, _num(s.get("cpu_pct"), unit=" %"), _mib(s.get("ram_used_mb")),
-                      _mib(s.get("engine_rss_mb")),
-                      _num(s.get("engine_cpu_pct"), unit=" %"), gpus_cell(s),
+        age = "none" if n.age_s is None else f"{n.age_s:.0f} s ago"
+        table.add_row(n.host, _num(s.get("cpu_pct")), _gib(s.get("ram_used_mb")), _gib(s.get("engine_rss_mb")),
+                      _num(s.get("engine_cpu_pct")), gpus_cell(s),
                       Text(f"stale: {age}", style="red") if n.stale else age)
     return table
 
 
 def replica_table(replicas: list[ReplicaMetrics]) -> Table:
-    table = Table(title="replicas", title_justify="left", expand=False)
-    for col in ("replica", "state", "url", "running", "waiting", "KV cache", "gen tok/s", "prompt tok/s"):
-        table.add_column(col)
+    """Figures per replica; their URLs are listed whole below the table (replica_urls)."""
+    table = narrow_table("replicas", "replica", "state", "running", "waiting", "KV cache", "gen tok/s",
+                         "prompt tok/s", left=("state",))
     for r in replicas:
         kv = "-" if r.kv_cache_usage is None else f"{100 * r.kv_cache_usage:.1f} %"
-        table.add_row(str(r.index), replica_state(r), r.url, _num(r.running, 0), _num(r.waiting, 0), kv,
+        table.add_row(str(r.index), replica_state(r), _num(r.running, 0), _num(r.waiting, 0), kv,
                       _num(r.generation_tokens_per_s), _num(r.prompt_tokens_per_s))
     return table
+
+
+def replica_urls(replicas: list[ReplicaMetrics]) -> list[Text]:
+    return [Text(f"replica {r.index}: {r.url}", no_wrap=True, overflow="ignore") for r in replicas]
 
 
 def render(snapshot: Snapshot) -> Group:
@@ -76,7 +84,7 @@ def render(snapshot: Snapshot) -> Group:
     parts = [head]
     if d.get("error"):
         parts.append(Text(f"stage '{d['error'].get('stage')}' failed: {d['error'].get('diagnosis')}", style="red"))
-    parts += [replica_table(snapshot.replicas), node_table(snapshot.nodes)]
+    parts += [replica_table(snapshot.replicas), *replica_urls(snapshot.replicas), node_table(snapshot.nodes)]
     errors = [f"replica {r.index}: {r.error}" for r in snapshot.replicas if r.error]
     parts += [Text(line, style="dim") for line in errors]
     return Group(*parts)
@@ -92,7 +100,6 @@ def render_all(snapshots: list[Snapshot], interval: float) -> Group:
 def watch(name: str | None, interval: float = 2.0, console: Console | None = None,
           iterations: int | None = None) -> None:
     """Show one deployment (or every registered one) until Ctrl-C (or `iterations` refreshes, for tests)."""
-
     gatherers: dict[str, Gatherer] = {}
 
     def frame() -> Group:

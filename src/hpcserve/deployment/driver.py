@@ -97,7 +97,6 @@ class Deployment:
 
 
 def start_ray(cfg: DeploymentConfig, parts: Deployment, run_dir: Path, writer: RunStateWriter) -> None:
-
     local = cfg.cluster.scheduler == "local"
     nodes = job_nodes(local)
     writer.begin("ray", f"{len(nodes)} node(s): {', '.join(nodes)}")
@@ -124,7 +123,6 @@ def check_health(cfg: DeploymentConfig, cluster, run_dir: Path, writer: RunState
 
 def start_engines(cfg: DeploymentConfig, parts: Deployment, run_dir: Path, writer: RunStateWriter) -> None:
     """Start every replica's engines, watched by the samplers; returns while they load."""
-
     model_path = resolve_model_path(cfg)
     layout = layout_for(cfg, model_config_for(cfg, model_path))
     writer.begin("engine", f"{layout.replicas} replica(s) of tensor {layout.tensor} x pipeline {layout.pipeline}")
@@ -140,7 +138,6 @@ def start_engines(cfg: DeploymentConfig, parts: Deployment, run_dir: Path, write
 
 def wait_engines_ready(cfg: DeploymentConfig, replicas, writer: RunStateWriter) -> None:
     """Ready only after a real completion came back from every replica."""
-
     writer.update(stage="engine")
     answers = replicas.wait_ready(cfg.engine.startup_timeout_s)
     writer.done("engine")

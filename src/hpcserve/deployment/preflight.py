@@ -58,7 +58,6 @@ def read_model_config(model_path: str) -> dict | None:
 def model_config_for(cfg: DeploymentConfig, model_path: str) -> dict | None:
     """The config.json the planner reads for this deployment: the checkpoint's (checked against model.catalog
     when both exist: one ConfigError listing what differs), else the catalogue's, else None."""
-
     return resolve_config(cfg.model.catalog, read_model_config(model_path), cfg.model.quantization)
 
 

@@ -105,7 +105,6 @@ def ordered(findings: list[Finding]) -> list[Finding]:
 
 def locate_model(cfg: DeploymentConfig) -> tuple[str | None, list[Finding]]:
     """The model folder the job would load (None for a hub id), as the login node sees it."""
-
     try:
         path = resolve_model_path(cfg)
     except HpcserveError as exc:
@@ -163,7 +162,6 @@ def enforce_setting(runner: Runner) -> str:
 
 
 def test_submission(cfg: DeploymentConfig, python: str, results: Path, runner: Runner) -> Captured:
-
     text = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
     try:
         script = render_batch_script(cfg, text, python, results)

@@ -1,23 +1,25 @@
-"""The doctor's findings for people (a rich table) and for programs (JSON)."""
+"""The doctor's findings for people (a table that reads at 80 columns, each finding and its fix in
+full below it) and for programs (JSON)."""
 
 from __future__ import annotations
 
 import json
 
-from rich.table import Table
+from rich.console import RenderableType
 
+from hpcserve.core.tables import narrow_table, with_lines
 from hpcserve.doctor.findings import Finding, Severity, exit_code
 
 STYLE = {Severity.BLOCKER: "bold red", Severity.WARNING: "yellow", Severity.INFO: "cyan", Severity.OK: "green"}
 
 
-def findings_table(findings: list[Finding], title: str) -> Table:
-    table = Table(title=title, show_lines=False)
-    for column in ("severity", "check", "finding", "fix"):
-        table.add_column(column, overflow="fold")
-    for f in findings:
-        table.add_row(f"[{STYLE[f.severity]}]{f.severity.value}[/]", f.check, f.what, f.fix or "-")
-    return table
+def findings_table(findings: list[Finding], title: str) -> RenderableType:
+    table = narrow_table(title, "#", "severity", "check", left=("severity", "check"))
+    lines = []
+    for number, f in enumerate(findings, start=1):
+        table.add_row(str(number), f"[{STYLE[f.severity]}]{f.severity.value}[/]", f.check)
+        lines.append(f"[{number}] {f.what}" + (f"\n    fix: {f.fix}" if f.fix else ""))
+    return with_lines(table, lines)
 
 
 def summary_line(findings: list[Finding]) -> str:

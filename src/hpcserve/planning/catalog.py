@@ -148,7 +148,6 @@ def resolve_config(catalog: str | None, model_config: dict[str, Any] | None,
 
 def check_agreement(entry: Entry, model_config: dict[str, Any]) -> None:
     """ConfigError listing every architecture field where the checkpoint's config.json and the catalogue differ."""
-
     ours, theirs = ModelShape.from_config(entry.config), ModelShape.from_config(model_config)
     pairs = {"hidden_size": (ours.hidden_size, theirs.hidden_size), "num_hidden_layers": (ours.num_layers, theirs.num_layers),
              "num_attention_heads": (ours.num_heads, theirs.num_heads),
@@ -164,7 +163,6 @@ def check_agreement(entry: Entry, model_config: dict[str, Any]) -> None:
 
 def listing() -> list[str]:
     """One line per base model for `hpcserve plan --list-models`: shape, size and recommended settings."""
-
     lines = [f"{'name':<17} {'params':>7} {'bf16':>8}  {'layers':>6} {'hidden':>6} {'heads':>5} {'kv':>3} "
              f"{'context':>7} {'recommended':>11}  Hugging Face id"]
     for name in names(include_variants=False):

@@ -311,7 +311,6 @@ def load_options(cfg: DeploymentConfig, max_num_seqs: int) -> dict[str, float]:
 def config_shape(cfg: DeploymentConfig, model_config: dict[str, Any] | None) -> ModelShape:
     """The model's shape for a deployment: its config.json, else the catalogue entry model.catalog names
     (checked against each other when both exist)."""
-
     resolved = resolve_config(cfg.model.catalog, model_config, cfg.model.quantization)
     if resolved is None:
         raise ConfigError(f"'model.path' = {cfg.model.path!r}: the planner needs the model's config.json; give a "

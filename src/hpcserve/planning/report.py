@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from rich.console import RenderableType
 from rich.table import Table
 
 from hpcserve.core.config import Layout
+from hpcserve.core.tables import Notes, narrow_table, with_lines
 from hpcserve.planning import throughput
 from hpcserve.planning.model_shape import estimate_weights_bytes, kv_bytes_per_token
 from hpcserve.planning.planner import Candidate, Plan, PlanSettings
@@ -82,20 +84,29 @@ def why_better(best: Candidate, other: Candidate, s: PlanSettings) -> str:
     return (f"Runner-up: {describe(other.layout)}, score {other.score:.2f}: " + "; ".join(reasons))
 
 
-def render_plan_table(p: Plan) -> Table:
-    """A rich Table of every candidate, best first, rejected last with the reason."""
+def render_plan_table(p: Plan) -> RenderableType:
+    """Every candidate, best first, rejected last; why a layout is rejected goes below the table.
+    Reads at 80 columns (tests render it so)."""
+    table, notes = plan_table(p)
+    unit = "GPU" if p.cluster.gpus_per_node else "worker"
+    legend = (f"weights, KV in GiB per {unit}; KV tokens, seqs at max len"
+              + (", in flight" if p.settings.under_load else "") + ": per replica")
+    return with_lines(table, [legend, *notes.lines()])
+
+
+def plan_table(p: Plan) -> tuple[Table, Notes]:
     load = p.settings.under_load
-    table = Table(title=f"Layouts at max_model_len {p.settings.max_model_len:,} ({p.settings.dtype})")
-    columns = ["#", "tensor", "pipeline", "replicas", "weights/worker", "KV/worker", "KV tokens/replica", "seqs@max_len"]
-    columns += ["in flight/replica", "of peak", "capacity"] if load else []
-    for column in columns + ["score", "note"]:
-        table.add_column(column, justify="left" if column == "note" else "right")
+    title = f"Layouts at max_model_len {p.settings.max_model_len:,} ({p.settings.dtype})"
+    columns = ["#", "TP", "PP", "reps", "weights", "KV", "KV tokens", "seqs"]
+    columns += ["in flight", "of peak", "cap"] if load else []
+    table = narrow_table(title, *columns, "score", "note", left=("note",))
+    notes = Notes()
     for rank, c in enumerate(p.ranked + p.rejected, start=1):
-        note = "; ".join(c.problems) if c.problems else ("best" if rank == 1 else "")
+        note = notes.add("; ".join(c.problems)) if c.problems else ("best" if rank == 1 else "")
         cells = [str(rank) if c.fits else "-", str(c.layout.tensor), str(c.layout.pipeline), str(c.layout.replicas),
-                 size(c.weights_bytes_per_worker), size(c.kv_bytes_per_worker),
+                 f"{c.weights_bytes_per_worker / GIB:.1f}", f"{c.kv_bytes_per_worker / GIB:.1f}",
                  f"{c.kv_tokens_per_replica:,}", f"{c.max_concurrency:.1f}"]
         if load:
             cells += [f"{c.in_flight_per_replica:.1f}", f"{c.load_factor:.2f}", f"{c.capacity:.2f}"]
         table.add_row(*cells, f"{c.score:.2f}", note, style="dim" if c.problems else None)
-    return table
+    return table, notes

@@ -20,7 +20,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import psutil
-from rich.table import Table
+from rich.console import RenderableType
+
+from hpcserve.core.tables import Notes, narrow_table, with_lines
 
 TRANSFER_BYTES = 16 * 2**20
 ALLREDUCE_BYTES = 16 * 2**20
@@ -353,15 +355,17 @@ def _head_first(alive: list[dict]) -> list[dict]:
     return sorted(alive, key=lambda n: not n.get("Resources", {}).get("node:__internal_head__"))
 
 
-def render_table(report: HealthReport):
-    table = Table(title=f"health check: {'OK' if report.ok else 'FAILED'} ({report.seconds:.1f} s)")
-    for col in ("node", "address", "CPUs", "RAM GiB", "GPUs (Ray / NVML)", "CUDA_VISIBLE_DEVICES", "notes"):
-        table.add_column(col)
+def render_table(report: HealthReport) -> RenderableType:
+    """Per node: CPUs, RAM, GPUs as Ray and NVML see them, CUDA_VISIBLE_DEVICES; notes below. 80 columns."""
+    table = narrow_table(f"health check: {'OK' if report.ok else 'FAILED'} ({report.seconds:.1f} s)",
+                         "node", "address", "CPUs", "RAM GiB", "GPUs Ray/NVML", "visible", "notes",
+                         left=("node", "address", "visible", "notes"))
+    notes = Notes()
     for r in report.nodes:
         nvml = "-" if r.nvml_gpus is None else str(r.nvml_gpus)
-        table.add_row(r.hostname, r.address, str(r.cpus), str(r.ram_gb), f"{len(r.ray_gpu_ids)} / {nvml}",
-                      r.cuda_visible_devices or "-", "; ".join(r.notes))
-    return table
+        table.add_row(r.hostname, r.address, str(r.cpus), str(r.ram_gb), f"{len(r.ray_gpu_ids)}/{nvml}",
+                      r.cuda_visible_devices or "-", notes.add("; ".join(r.notes)))
+    return with_lines(table, ["visible: CUDA_VISIBLE_DEVICES", *notes.lines()])
 
 
 def render_lines(report: HealthReport) -> list[str]:

@@ -42,5 +42,4 @@ def with_site(cfg: DeploymentConfig, site: SiteSpec | None) -> DeploymentConfig:
 
 def load_with_site(config_path: str | Path, site_path: str | Path | None) -> DeploymentConfig:
     """`CONFIG [--site FILE]`: the deployment file, its site section replaced by the site file if given."""
-
     return with_site(load_config(config_path), load_site_file(site_path) if site_path else None)

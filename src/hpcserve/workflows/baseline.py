@@ -60,7 +60,6 @@ def _ms(value: float | None) -> str:
 
 
 def baseline(config_path: str | Path, options: BenchOptions, on_event: Callable | None = None) -> Path:
-
     cfg = load_config(config_path)
     folder = Path(cfg.results_dir).resolve() / "logs" / cfg.name / "baseline"
     folder.mkdir(parents=True, exist_ok=True)

@@ -93,7 +93,6 @@ def load_figures(run) -> LoadFigures:
 
 def validate(config_path: str | Path, concurrency: int = 8, num_prompts: int = 32, input_len: int = 64,
              output_len: int = 32, on_event: Callable | None = None) -> Validation:
-
     cfg = single_node(load_config(config_path))
     result = api.up(cfg, on_event=on_event)
     run_dir = result.run_dir
@@ -120,7 +119,6 @@ def validate(config_path: str | Path, concurrency: int = 8, num_prompts: int = 3
 
 
 def _vocab_size(cfg: DeploymentConfig) -> int:
-
     model_config = model_config_for(cfg, resolve_model_path(cfg)) or {}
     return int(model_config.get("vocab_size", 32000))
 
