@@ -18,8 +18,6 @@ import asyncio
 import json
 import os
 import platform
-import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -29,36 +27,14 @@ from pathlib import Path
 import httpx
 
 from hpcserve.benchmark.loadgen import LoadShape, RequestInput, run_load
-from hpcserve.engine.client import completion_probe
+from hpcserve.benchmark.summary import percentile
+from hpcserve.core.net import free_loopback_port as free_port
 from hpcserve.endpoint.router import Router
-from hpcserve.engine.client import Endpoint
+from hpcserve.engine.client import Endpoint, completion_probe
+from hpcserve.testing.harness import spawn, stop, wait_until
 
 KEY = "router-bench-key"
 PROMPT = "The quick brown fox jumps over the lazy dog and keeps running through the"
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def spawn(argv: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
-    with open(log, "ab") as handle:
-        return subprocess.Popen(argv, stdout=handle, stderr=handle, env={**os.environ, **(env or {})},
-                                start_new_session=True)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def start_stubs(directory: Path, output_len: int) -> tuple[list[subprocess.Popen], list[str]]:
@@ -70,7 +46,7 @@ def start_stubs(directory: Path, output_len: int) -> tuple[list[subprocess.Popen
         procs.append(spawn(argv, directory / f"stub-{name}.log", {"HPCSERVE_STUB_API_KEY": KEY}))
         urls.append(f"http://127.0.0.1:{port}")
     for url in urls:
-        wait_until(lambda url=url: httpx.get(f"{url}/health", timeout=1).status_code == 200, 30)
+        wait_until(lambda url=url: httpx.get(f"{url}/health", timeout=1).status_code == 200, 30, f"{url}/health")
     return procs, urls
 
 
@@ -87,21 +63,8 @@ def start_engines(directory: Path) -> tuple[list[subprocess.Popen], list[str]]:
         procs.append(spawn(argv, directory / f"engine-{core}.log", env))
         urls.append(f"http://127.0.0.1:{port}")
     for url in urls:
-        wait_until(lambda url=url: bool(completion_probe(url, "tiny", KEY, timeout_s=30) is not None), 600)
+        wait_until(lambda url=url: completion_probe(url, "tiny", KEY, timeout_s=30) is not None, 600, f"a completion from {url}")
     return procs, urls
-
-
-def wait_until(check, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if check():
-                return
-        except (httpx.HTTPError, RuntimeError):
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError("backend did not come up in time")
-        time.sleep(0.5)
 
 
 def block(endpoints: list[Endpoint], requests: int, concurrency: int, output_len: int) -> dict:
@@ -133,8 +96,7 @@ def summarize(blocks: list[dict]) -> dict:
     ttft = [x for b in blocks for x in b["ttft_ms"]]
     duration = sum(b["duration_s"] for b in blocks)
     return {"requests": len(e2e), "failed": sum(b["failed"] for b in blocks),
-            "p50_e2e_ms": statistics.median(e2e), "p50_ttft_ms": statistics.median(ttft),
-            "p99_e2e_ms": statistics.quantiles(e2e, n=100)[98] if len(e2e) >= 100 else max(e2e),
+            "p50_e2e_ms": percentile(e2e, 50), "p50_ttft_ms": percentile(ttft, 50), "p99_e2e_ms": percentile(e2e, 99),
             "req_per_s": len(e2e) / duration, "tokens_per_s": sum(b["tokens"] for b in blocks) / duration,
             "block_req_per_s": [len(b["e2e_ms"]) / b["duration_s"] for b in blocks]}
 

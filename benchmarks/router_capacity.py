@@ -23,10 +23,11 @@ from pathlib import Path
 
 import httpx
 
-from hpcserve.engine.client import health_ok
+from hpcserve.core.net import free_loopback_port as free_port
 from hpcserve.endpoint.rotation import Rotation
 from hpcserve.endpoint.router import Router
-from router import free_port, spawn, stop, wait_until  # benchmarks/router.py
+from hpcserve.engine.client import health_ok
+from hpcserve.testing.harness import spawn, stop, wait_until
 
 TOKENS, TOKEN_DELAY_MS = 16, 5.0
 POLICIES = ("round_robin", "random", "power_of_two", "cache_aware")
@@ -93,7 +94,7 @@ def main() -> None:
     backends = [f"http://127.0.0.1:{port}" for port in ports]
     try:
         for url in backends:
-            wait_until(lambda url=url: health_ok(url), 30)
+            wait_until(lambda url=url: health_ok(url), 30, f"{url}/health")
         capacity = sum(s / (TOKENS * TOKEN_DELAY_MS / 1000) for s in slots)
         ideal = "  ".join(f"{n} {s / sum(slots):.2f}" for n, s in zip(names, slots))
         print(f"ideal shares: {ideal}; ideal throughput {capacity:.1f} req/s (concurrency {args.concurrency})")

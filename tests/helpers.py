@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,14 +10,10 @@ from pathlib import Path
 import psutil
 import yaml
 
+from hpcserve.core.net import free_loopback_port as free_port  # noqa: F401 - tests import it from here
+
 REPO = Path(__file__).resolve().parents[1]
 HPCSERVE = [sys.executable, "-m", "hpcserve.cli"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_cli(*args: str, env: dict | None = None, timeout: float = 900, cwd: Path | None = None) -> subprocess.CompletedProcess:

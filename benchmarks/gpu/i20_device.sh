@@ -255,8 +255,10 @@ replica() { # IDX PORT
 phase_routing() {
   [ -f "$MODEL/config.json" ] || { log "no model folder at $MODEL: run gen first"; return 1; }
   local runs=("${ARGS[@]}")
-  [ ${#runs[@]} = 0 ] && runs=(pre:round_robin pre:cache_aware pre:consistent_hash mt:round_robin mt:cache_aware
-                               mt:consistent_hash cal:round_robin cal:cache_aware)
+  # by value: the prefill-bound load with the three policies, then the calibration's concurrency (32), then
+  # multi-turn; the budget drops the tail
+  [ ${#runs[@]} = 0 ] && runs=(pre:round_robin pre:consistent_hash pre:cache_aware cal:round_robin cal:cache_aware
+                               mt:round_robin mt:consistent_hash mt:cache_aware cal:consistent_hash)
   gpu_free
   mkdir -p "$VC/triton-pre" "$VC/inductor-pre"
   local t0 p1 p2 rc1 rc2
@@ -284,9 +286,9 @@ phase_routing() {
   for spec in "${runs[@]}"; do
     i=$((i + 1)); wl=${spec%%:*}; pol=${spec#*:}; seed=$((1000 + i))
     case $wl in
-      pre) est=80; cargs=(${I20_PRE_ARGS:---mode prefix --num-prefixes $P --prefix-len 1900 --suffix-len 100 --output-len 16 --num-requests $((4 * P)) --concurrency 128});;
-      cal) est=100; cargs=(${I20_CAL_ARGS:---mode prefix --num-prefixes $P --prefix-len 1900 --suffix-len 100 --output-len 64 --num-requests $((4 * P)) --concurrency 32});;
-      mt) est=100; cargs=(${I20_MT_ARGS:---mode multiturn --sessions $S --turns 6 --user-len 250 --output-len 48 --concurrency 64});;
+      pre) est=60; cargs=(${I20_PRE_ARGS:---mode prefix --num-prefixes $P --prefix-len 1900 --suffix-len 100 --output-len 16 --num-requests $((4 * P)) --concurrency 128});;
+      cal) est=75; cargs=(${I20_CAL_ARGS:---mode prefix --num-prefixes $P --prefix-len 1900 --suffix-len 100 --output-len 64 --num-requests $((4 * P)) --concurrency 32});;
+      mt) est=75; cargs=(${I20_MT_ARGS:---mode multiturn --sessions $S --turns 6 --user-len 250 --output-len 48 --concurrency 64});;
       *) log "unknown workload $wl"; continue;;
     esac
     if [ "$(left)" -lt $est ]; then log "$spec skipped: $(left) s left"; rec phase=routing workload=$wl policy=$pol ok=false skipped=true; continue; fi
@@ -301,12 +303,14 @@ phase_routing() {
     local tl=$(( $(left) - 10 )); [ $tl -lt 30 ] && tl=30
     local cj; cj=$(timeout $tl $PY "$HERE/i20_prefix_client.py" --url http://127.0.0.1:8000 --seed $seed \
         --session-header --out "$RAW/client_${i}_${wl}_$pol.json" "${cargs[@]}" 2> "$RAW/client_${i}.err" | tail -1)
+    curl -s -m 10 http://127.0.0.1:29001/metrics > "$RAW/router_metrics_$i.txt"
+    local rm; rm=$($PY "$HERE/i20_util.py" rmetrics "$RAW/router_metrics_$i.txt")
     $PY "$HERE/i20_util.py" metrics http://127.0.0.1:8001 "$RAW/m${i}_r1_after.json" >/dev/null
     $PY "$HERE/i20_util.py" metrics http://127.0.0.1:8002 "$RAW/m${i}_r2_after.json" >/dev/null
     local md; md=$($PY "$HERE/i20_util.py" mdiff "$RAW/m${i}_r1_before.json" "$RAW/m${i}_r1_after.json" "$RAW/m${i}_r2_before.json" "$RAW/m${i}_r2_after.json")
     [ -n "$cj" ] || { cj='{}'; log "client failed:"; tail -5 "$RAW/client_${i}.err" | tee -a "$SUM"; }
-    log "$wl/$pol seed $seed (reset: $r1 $r2)"; log "  client: $cj"; log "  metrics: $md"
-    rec phase=routing workload=$wl policy=$pol seed=$seed ok=true "client=$cj" "metrics=$md" kv_tokens=$K \
+    log "$wl/$pol seed $seed (reset: $r1 $r2)"; log "  client: $cj"; log "  metrics: $md"; log "  router: $rm"
+    rec phase=routing workload=$wl policy=$pol seed=$seed ok=true "client=$cj" "metrics=$md" "router=$rm" kv_tokens=$K \
         "sizes={\"P\":$P,\"S\":$S}" run=$i
     stop_tree $rp; rm -f "$I20/pid.router"
   done

@@ -5,6 +5,8 @@ usage: i20_util.py record FILE key=value...      append one JSON line (values: J
        i20_util.py metrics URL OUT.json          snapshot of a replica's /metrics (counters summed over labels)
        i20_util.py mdiff B1 A1 [B2 A2 ...]       JSON: counters' increase per replica (before/after pairs) and
                                                  summed, prefix-cache hit rate (hits / queries, in tokens)
+       i20_util.py rmetrics FILE                 JSON: vllm-router's own counters from a saved /metrics page (cache_aware's
+                                                 prefix decisions: prefix_hit / prefix_miss / missing_tokens / ...)
        i20_util.py tree PID                      PID's descendants (to stop a server and its engine by id)
        i20_util.py best MICRO.jsonl              the fastest working non-default loader as `name|serve args`
        i20_util.py table RESULTS.jsonl           the results so far as short text tables
@@ -121,6 +123,32 @@ def mdiff(paths: list[str]) -> dict:
     return out
 
 
+def rmetrics(path: str) -> dict:
+    """vllm-router 0.1.17 counters. Its cache_aware routes on token ids that it gets from each worker's
+    /v1/completions/render; when that preparation fails it counts outcome="missing_tokens" and falls back
+    to the least-loaded worker (no affinity)."""
+    out: dict = {}
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return {"error": "no router metrics"}
+    for line in text.splitlines():
+        m = re.match(r"(vllm_router_[a-z_]+)(\{[^}]*\})?\s+([-+\d.eE]+)$", line.strip())
+        if not m:
+            continue
+        name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
+        if name == "vllm_router_prefix_routing_decisions_total":
+            k = re.search(r'outcome="([^"]+)"', labels)
+            out.setdefault("prefix_decisions", {})[k.group(1) if k else "?"] = value
+        elif name in ("vllm_router_load_balancing_events_total", "vllm_router_cache_hits_total",
+                      "vllm_router_cache_misses_total"):
+            out[name.replace("vllm_router_", "")] = out.get(name.replace("vllm_router_", ""), 0) + value
+        elif name == "vllm_router_policy_decisions_total":
+            w = re.search(r'worker="([^"]+)"', labels)
+            out.setdefault("decisions_by_worker", {})[w.group(1)[-4:] if w else "?"] = value
+    return out
+
+
 def tree(pid: int) -> list[int]:
     import psutil
 
@@ -158,14 +186,15 @@ def table(path: str) -> None:
             ls = r.get("log", {}) or {}
             print(f"  {r.get('case')} | {r.get('ok')} | {r.get('ready_s')} | {ls.get('model_load_s')} | "
                   f"{ls.get('compile_cache')} | {ls.get('compile_total_s')} | {ls.get('init_engine_s')}")
-    routing = [r for r in rows if r.get("phase") == "routing"]
+    routing = [r for r in rows if r.get("phase") == "routing" and r.get("workload")]
     if routing:
-        print("routing   workload/policy | hit rate | ttft p50/p90 ms | req/s | out tok/s | per-replica requests")
+        print("routing   workload/policy | hit rate | ttft p50/p90 ms | req/s | out tok/s | per-replica requests | router prefix decisions")
         for r in routing:
             s, m = r.get("client", {}) or {}, r.get("metrics", {}) or {}
             split = [x.get("request_success") for x in m.get("replicas", [])]
             print(f"  {r.get('workload')}/{r.get('policy')} | {m.get('hit_rate')} | {s.get('ttft_p50_ms')}/"
-                  f"{s.get('ttft_p90_ms')} | {s.get('req_s')} | {s.get('output_tok_s')} | {split}")
+                  f"{s.get('ttft_p90_ms')} | {s.get('req_s')} | {s.get('output_tok_s')} | {split} | "
+                  f"{(r.get('router') or {}).get('prefix_decisions')}")
 
 
 def main() -> None:
@@ -178,6 +207,8 @@ def main() -> None:
         print(json.dumps(metrics(args[0], args[1])))
     elif cmd == "mdiff":
         print(json.dumps(mdiff(args)))
+    elif cmd == "rmetrics":
+        print(json.dumps(rmetrics(args[0])))
     elif cmd == "tree":
         print(" ".join(map(str, tree(int(args[0])))))
     elif cmd == "best":

@@ -4,7 +4,6 @@ streaming reads with chunk arrival times, and a concurrent load that counts fail
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -14,6 +13,8 @@ from pathlib import Path
 
 import httpx
 from helpers import free_port
+
+from hpcserve.testing.harness import stop  # noqa: F401 - the tests import it from here
 
 KEY = "router-test-key"
 
@@ -41,16 +42,6 @@ def start_stub(name: str, log_dir: Path, token_delay_ms: float = 20.0, key: str 
             time.sleep(0.1)
     proc.kill()
     raise RuntimeError(f"stub {name} did not start")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def headers(key: str = KEY) -> dict[str, str]:

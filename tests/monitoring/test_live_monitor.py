@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -18,21 +17,13 @@ from helpers import REPO, free_port, run_cli, write_config
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
+from hpcserve.testing.harness import wait_until
+
 pytestmark = pytest.mark.slow
 NAME = "t-monitor"
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
-
-
-def wait_until(check, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.3)
-    raise AssertionError(f"not within {timeout_s:.0f} s: {what}")
 
 
 @pytest.fixture(scope="module")
