@@ -21,7 +21,7 @@
 #                             load:NAME      NAME: runai_streamer fastsafetensors instanttensor prefetch
 #                                            multithread8 eager
 #   routing [WORKLOAD:POLICY...] [--budget S]
-#                             two replicas on the one GPU + vllm-router 0.1.17; WORKLOAD pre | mt | cal,
+#                             two replicas on the one GPU + vllm-router 0.1.17; WORKLOAD pre | mt | cal | vb,
 #                             POLICY round_robin | cache_aware | consistent_hash | power_of_two | random
 # A step is skipped (and says so) when it might not end within the budget (seconds since the phase began).
 set -uo pipefail
@@ -55,16 +55,18 @@ since() { $PY -c "print(round($(now)-$1,1))"; }
 left() { echo $(( BUDGET - ($(date +%s) - T_START) )); }
 rec() { $PY "$HERE/i20_util.py" record "$RES" "$@"; }
 
-pick_base() { # a disk-backed folder with room for two copies of the model (the 2nd: staging)
+pick_base() { # the disk-backed folder with the most room (tmpfs only if no disk has 18 GB free)
   if [ -s "$I20/base" ]; then cat "$I20/base"; return; fi
-  local d t avail
-  for d in /tmp /var/tmp /root /opt /home; do
+  local d t avail best="" best_avail=0 any="" any_avail=0
+  for d in /tmp /var/tmp /root /opt /home /dev/shm; do
     [ -d "$d" ] && [ -w "$d" ] || continue
     t=$(stat -f -c %T "$d" 2>/dev/null); avail=$(df -P -B1G "$d" 2>/dev/null | awk 'NR==2{print $4}')
+    [ "${avail:-0}" -gt $any_avail ] && { any=$d; any_avail=$avail; }
     case $t in tmpfs|ramfs) continue;; esac
-    [ "${avail:-0}" -ge 36 ] && { echo "$d/i20data" | tee "$I20/base"; return; }
+    [ "${avail:-0}" -gt $best_avail ] && { best=$d; best_avail=$avail; }
   done
-  echo /tmp/i20data | tee "$I20/base"
+  [ $best_avail -ge 18 ] || best=${any:-/tmp}
+  echo "${best:-/tmp}/i20data" | tee "$I20/base"
 }
 BASE=$(pick_base); mkdir -p "$BASE"
 MODEL=$BASE/llama8b
@@ -104,10 +106,12 @@ fail_tail() { # LOG: last lines of a failed server's log into the summary
 cleanup() {
   local p
   for p in "${STARTED[@]}"; do kill -0 "$p" 2>/dev/null && stop_tree "$p"; done
+  rm -f "$I20"/pid.*
   tar czf "$OUT/raw_$PHASE.tar.gz" -C "$RAW" . 2>/dev/null
   cp "$RES" "$OUT/results.jsonl" 2>/dev/null
   { echo "==== results so far"; $PY "$HERE/i20_util.py" table "$RES"; } 2>&1 | tee -a "$SUM"
   log "phase $PHASE done"
+  [ "$PHASE" = gen ] && touch "$I20/gen.done"
 }
 trap cleanup EXIT
 
@@ -135,7 +139,9 @@ leftovers() { # a server a killed call left behind would hold the GPU: report it
   local f p
   for f in "$I20"/pid.*; do
     [ -e "$f" ] || continue; p=$(cat "$f")
-    if kill -0 "$p" 2>/dev/null; then log "stopping leftover pid $p ($f)"; stop_tree "$p"; fi
+    if kill -0 "$p" 2>/dev/null && tr '\0' ' ' < "/proc/$p/cmdline" 2>/dev/null | grep -q vllm; then
+      log "stopping leftover pid $p ($f)"; stop_tree "$p"
+    fi
     rm -f "$f"
   done
 }
@@ -159,24 +165,40 @@ phase_gen() {
   du -sh "$MODEL" | tee -a "$SUM"
   # resident after writing; whether drop_caches works here; posix_fadvise eviction; a cold read (after the
   # eviction: what "cold" costs on this disk) and a warm one (page cache)
-  for step in resident dropcaches evict readbw readbw; do
+  local steps="resident dropcaches evict readbw readbw"
+  [ -n "${I20_NO_DROPCACHES:-}" ] && steps="resident evict readbw readbw"   # dry runs on a shared machine
+  for step in $steps; do
     j=$($PY "$HERE/i20_pagecache.py" $step "$MODEL" 2>&1 | tail -1)
     log "pagecache $step: $j"; rec phase=gen step=$step "result=$j"
   done
 }
+wait_gen() { # gen may run in the background (started with setsid in an earlier call): wait for it
+  local i
+  if [ ! -e "$I20/gen.done" ] && [ -s "$I20/gen.pid" ]; then
+    log "waiting for the background gen (pid $(cat "$I20/gen.pid")) to finish"
+    for i in $(seq 300); do
+      [ -e "$I20/gen.done" ] && break; kill -0 "$(cat "$I20/gen.pid")" 2>/dev/null || break; sleep 1
+    done
+  fi
+  if [ -s "$I20/out-gen/summary.txt" ] && [ ! -e "$I20/gen.reported" ]; then
+    { echo "==== background gen (earlier calls)"; cat "$I20/out-gen/summary.txt"; tail -5 "$I20/gen.console"; } | tee -a "$SUM"
+    cp "$I20/out-gen/raw_gen.tar.gz" "$OUT/" 2>/dev/null; touch "$I20/gen.reported"
+  fi
+  [ -e "$I20/gen.done" ] || log "warning: gen has not finished (see $I20/gen.console)"
+}
 
 # ------------------------------------------------------------------ pyc
-phase_pyc() {
-  local d t0
-  d=$($PY -c "import importlib.util as u; print(u.find_spec('vllm').submodule_search_locations[0])")
-  local rc
+phase_pyc() { # the install parts used --no-compile: write the .pyc files now, for every package there
+  local d t0 rc
+  d=$($PY -c "import importlib.util as u, os; print(os.path.dirname(u.find_spec('vllm').submodule_search_locations[0]))")
   t0=$(now)
-  $PY -m compileall -q -j 16 "$d" > "$RAW/compileall.log" 2>&1; rc=$?
-  log "byte-compiled $d in $(since "$t0") s (rc $rc)"
+  timeout $(( $(left) - 10 )) $PY -m compileall -q -j 16 -x '/tests?/' "$d" > "$RAW/compileall.log" 2>&1; rc=$?
+  log "byte-compiled $d in $(since "$t0") s (rc $rc; 124 = cut off by the budget)"
 }
 
 # ------------------------------------------------------------------ micro
 phase_micro() {
+  wait_gen
   [ -f "$MODEL/model.safetensors.index.json" ] || { log "no model at $MODEL: run gen first"; return 1; }
   ensure_cudart
   $PY -c "import runai_model_streamer, fastsafetensors, instanttensor, vllm; print('vllm', vllm.__version__, '| fastsafetensors', fastsafetensors.__version__)" 2>&1 | tail -2 | tee -a "$SUM"
@@ -201,10 +223,10 @@ loader_args() {
   esac
 }
 run_ready() { # CASE
-  local case=$1 n=$2 real=1 evict=1 lname=auto largs="" est=150 dl ev='"none"' t0 rc ready pid logf
+  local case=$1 n=$2 real=1 evict=1 lname=auto largs="" est=130 dl ev='"none"' t0 rc ready pid logf
   case $case in
-    compile:cold) real=0; est=230;;
-    compile:warm) real=0; est=130;;
+    compile:cold) real=0; est=230; lname=dummy;;
+    compile:warm) real=0; est=105; lname=dummy;;
     load:auto) ;;
     load:auto-warm) evict=0;;
     load:best) IFS='|' read -r lname largs <<< "$($PY "$HERE/i20_util.py" best "$RES")";;
@@ -224,7 +246,7 @@ run_ready() { # CASE
   fi
   local fmt=""; [ $real = 0 ] && fmt="--load-format dummy"
   logf=$RAW/serve_${n}_${case//:/-}.log
-  dl=$(( $(left) - 25 )); [ $dl -gt 480 ] && dl=480
+  dl=$(( $(left) - 15 )); [ $dl -gt 480 ] && dl=480
   log "$case: vllm serve $fmt $largs (deadline ${dl} s; page cache: $ev)"
   t0=$(now)
   VLLM_CACHE_ROOT=$VC TRITON_CACHE_DIR=$VC/triton-pre TORCHINDUCTOR_CACHE_DIR=$VC/inductor-pre \
@@ -236,11 +258,15 @@ run_ready() { # CASE
   local ls; ls=$($PY "$HERE/i20_util.py" logstats "$logf")
   if [ $rc = 0 ]; then log "$case ($lname) ready_s=$ready  $ls"
   else log "$case ($lname) FAILED (rc $rc: 1 died, 2 deadline) after $ready s"; fail_tail "$logf"; fi
+  # where the compile artefacts landed (what a shared cache must hold): MiB per folder, two levels
+  local cmb; cmb=$(cd "$VC" 2>/dev/null && du -m --max-depth=2 . 2>/dev/null | sort -k2 | awk '{printf "%s=%s ", $2, $1}')
+  [ "${case%%:*}" = compile ] && log "  compile cache MiB: $cmb"
   rec phase=ready case=$case loader=$lname ok=$([ $rc = 0 ] && echo true || echo false) ready_s=$ready \
-      "log=$ls" "pagecache=$ev" "args=$fmt $largs" run=$n
+      "log=$ls" "pagecache=$ev" "args=$fmt $largs" run=$n "cache_mib=$cmb"
   gpu_free
 }
 phase_ready() {
+  wait_gen
   ensure_cudart
   local i=0 c
   for c in "${ARGS[@]}"; do i=$((i + 1)); run_ready "$c" $i; done
@@ -279,7 +305,8 @@ phase_routing() {
   [ $rc1 = 0 ] && [ $rc2 = 0 ] || { fail_tail "$RAW/replica1.log"; fail_tail "$RAW/replica2.log"; return 1; }
   nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader 2>/dev/null | sed 's/^/GPU memory: /' | tee -a "$SUM"
   local K; K=$(echo "$l1" | $PY -c 'import json,sys; print(int(json.load(sys.stdin).get("kv_cache_tokens") or 294912))')
-  # Working sets sized on the KV cache: ~1.3x one replica's tokens, ~0.65x the pool's.
+  # Working sets sized on the KV cache: ~1.3x one replica's tokens, ~0.65x the pool's. Every request fits
+  # --max-model-len 2048: pre 1900+100+16, cal/vb 1850+100+64, mt at most 5*(250+48)+250+48 = 1788.
   local P=$(( (13 * K) / (10 * 1900) )) S=$(( (12 * K) / (10 * 1788) ))
   log "KV cache per replica: $K tokens -> pre/cal: $P prefixes of 1900 tokens ($(( P * 1900 )) tokens), mt: $S sessions"
   local i=0 spec wl pol cargs est seed rp rrc
@@ -287,7 +314,8 @@ phase_routing() {
     i=$((i + 1)); wl=${spec%%:*}; pol=${spec#*:}; seed=$((1000 + i))
     case $wl in
       pre) est=60; cargs=(${I20_PRE_ARGS:---mode prefix --num-prefixes $P --prefix-len 1900 --suffix-len 100 --output-len 16 --num-requests $((4 * P)) --concurrency 128});;
-      cal) est=75; cargs=(${I20_CAL_ARGS:---mode prefix --num-prefixes $P --prefix-len 1900 --suffix-len 100 --output-len 64 --num-requests $((4 * P)) --concurrency 32});;
+      cal) est=75; cargs=(${I20_CAL_ARGS:---mode prefix --num-prefixes $P --prefix-len 1850 --suffix-len 100 --output-len 64 --num-requests $((4 * P)) --concurrency 32});;
+      vb) est=75; cargs=();;
       mt) est=75; cargs=(${I20_MT_ARGS:---mode multiturn --sessions $S --turns 6 --user-len 250 --output-len 48 --concurrency 64});;
       *) log "unknown workload $wl"; continue;;
     esac
@@ -301,16 +329,27 @@ phase_routing() {
     $PY "$HERE/i20_util.py" metrics http://127.0.0.1:8001 "$RAW/m${i}_r1_before.json" >/dev/null
     $PY "$HERE/i20_util.py" metrics http://127.0.0.1:8002 "$RAW/m${i}_r2_before.json" >/dev/null
     local tl=$(( $(left) - 10 )); [ $tl -lt 30 ] && tl=30
-    local cj; cj=$(timeout $tl $PY "$HERE/i20_prefix_client.py" --url http://127.0.0.1:8000 --seed $seed \
+    local cj
+    if [ $wl = vb ]; then # vllm's own client (sends x-request-id per request: consistent_hash = random there)
+      timeout $tl vllm bench serve --backend vllm --base-url http://127.0.0.1:8000 --endpoint /v1/completions \
+        --model m --tokenizer "$MODEL" --dataset-name prefix_repetition --prefix-repetition-num-prefixes $P \
+        --prefix-repetition-prefix-len 1850 --prefix-repetition-suffix-len 100 --prefix-repetition-output-len 64 \
+        --num-prompts $((4 * P)) --max-concurrency 32 --ignore-eos --seed $seed --num-warmups 0 \
+        --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --save-result --result-dir "$RAW" \
+        --result-filename "vb_${i}_$pol.json" > "$RAW/client_${i}.err" 2>&1
+      cj=$($PY "$HERE/i20_util.py" vbsum "$RAW/vb_${i}_$pol.json")
+    else
+      cj=$(timeout $tl $PY "$HERE/i20_prefix_client.py" --url http://127.0.0.1:8000 --seed $seed \
         --session-header --out "$RAW/client_${i}_${wl}_$pol.json" "${cargs[@]}" 2> "$RAW/client_${i}.err" | tail -1)
+    fi
     curl -s -m 10 http://127.0.0.1:29001/metrics > "$RAW/router_metrics_$i.txt"
-    local rm; rm=$($PY "$HERE/i20_util.py" rmetrics "$RAW/router_metrics_$i.txt")
+    local rmj; rmj=$($PY "$HERE/i20_util.py" rmetrics "$RAW/router_metrics_$i.txt")
     $PY "$HERE/i20_util.py" metrics http://127.0.0.1:8001 "$RAW/m${i}_r1_after.json" >/dev/null
     $PY "$HERE/i20_util.py" metrics http://127.0.0.1:8002 "$RAW/m${i}_r2_after.json" >/dev/null
     local md; md=$($PY "$HERE/i20_util.py" mdiff "$RAW/m${i}_r1_before.json" "$RAW/m${i}_r1_after.json" "$RAW/m${i}_r2_before.json" "$RAW/m${i}_r2_after.json")
     [ -n "$cj" ] || { cj='{}'; log "client failed:"; tail -5 "$RAW/client_${i}.err" | tee -a "$SUM"; }
-    log "$wl/$pol seed $seed (reset: $r1 $r2)"; log "  client: $cj"; log "  metrics: $md"; log "  router: $rm"
-    rec phase=routing workload=$wl policy=$pol seed=$seed ok=true "client=$cj" "metrics=$md" "router=$rm" kv_tokens=$K \
+    log "$wl/$pol seed $seed (reset: $r1 $r2)"; log "  client: $cj"; log "  metrics: $md"; log "  router: $rmj"
+    rec phase=routing workload=$wl policy=$pol seed=$seed ok=true "client=$cj" "metrics=$md" "router=$rmj" kv_tokens=$K \
         "sizes={\"P\":$P,\"S\":$S}" run=$i
     stop_tree $rp; rm -f "$I20/pid.router"
   done
@@ -320,7 +359,7 @@ phase_routing() {
 leftovers
 log "phase $PHASE (budget $BUDGET s) on $(hostname); base $BASE"
 case $PHASE in
-  gen) phase_gen;;
+  gen) echo $$ > "$I20/gen.pid"; rm -f "$I20/gen.done"; phase_gen;;
   pyc) phase_pyc;;
   micro) phase_micro;;
   ready) phase_ready;;

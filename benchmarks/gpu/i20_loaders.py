@@ -42,12 +42,13 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 DEV = os.environ.get("I20_DEVICE", "cuda")  # "cpu" only for a dry run of this script without a GPU
 sys.path.insert(0, str(HERE))
-import i20_pagecache as pc  # noqa: E402
+import i20_pagecache as pc
 
-DEFAULT_GROUPS = "st_lazy;runai;fastsafetensors;instanttensor;st_prefetch,stage,st_lazy_warm,st_mt8,st_eager"
-# rough seconds a group may take (process start + imports + reads); used for the budget check only
-GROUP_COST = {"st_lazy": 45, "runai": 50, "fastsafetensors": 50, "instanttensor": 50, "st_prefetch": 35,
-              "stage": 60, "st_lazy_warm": 20, "st_mt8": 35, "st_eager": 40}
+DEFAULT_GROUPS = "st_lazy,runai,fastsafetensors,instanttensor;st_prefetch,stage,st_lazy_warm,st_mt8,st_eager"
+# rough seconds a variant may take (cold read of 16 GB + copies); +15 s a process (imports). Budget check only.
+GROUP_COST = {"st_lazy": 20, "runai": 20, "fastsafetensors": 20, "instanttensor": 20, "st_prefetch": 20,
+              "stage": 40, "st_lazy_warm": 10, "st_mt8": 20, "st_eager": 25}
+PROCESS_COST = 15
 
 
 def iterator(variant: str, files: list[str]):
@@ -118,6 +119,8 @@ def run_variants(variants: list[str], model: Path, stage_dir: Path | None) -> No
     files = [str(p) for p in pc.files_of([str(model)])]
     expected = json.loads((model / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
     for v in variants:
+        if v == "_crash":  # test hook: a loader that takes the process down
+            os._exit(3)
         rec: dict = {"phase": "micro", "variant": v, **setup}
         try:
             if v == "stage":
@@ -150,50 +153,61 @@ def run_variants(variants: list[str], model: Path, stage_dir: Path | None) -> No
         print(json.dumps(rec), flush=True)
 
 
+def run_group(variants: list[str], model: Path, out: Path, log: Path, timeout: float,
+              stage_dir: Path | None) -> list[str]:
+    """Run the variants in one process; returns those it printed no result for (crash or timeout)."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "run", ",".join(variants), str(model)]
+    if stage_dir:
+        cmd += ["--stage-dir", str(stage_dir)]
+    try:
+        with log.open("a") as lf:
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=lf, text=True, timeout=timeout, check=False)
+        stdout, rc = proc.stdout, proc.returncode
+    except subprocess.TimeoutExpired as e:
+        stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        rc = "timeout"
+    seen = set()
+    with out.open("a") as f:
+        for line in stdout.splitlines():
+            if line.startswith("{"):
+                f.write(line + "\n")
+                rec = json.loads(line)
+                seen.add(rec.get("variant"))
+                print(json.dumps({k: rec.get(k) for k in ("variant", "ok", "seconds", "gb_s", "copy_s", "load_s",
+                                                          "error")}), flush=True)
+    missing = [v for v in variants if v not in seen]
+    if missing:
+        # the first one without a result is the one that crashed or hung: record it, retry the rest
+        tail = log.read_text()[-800:] if log.exists() else ""
+        with out.open("a") as f:
+            f.write(json.dumps({"phase": "micro", "variant": missing[0], "ok": False,
+                                "error": f"process rc={rc}", "stderr_tail": tail}) + "\n")
+        print(json.dumps({"variant": missing[0], "ok": False, "error": f"process rc={rc}"}), flush=True)
+    return missing[1:]
+
+
 def run_all(model: Path, out: Path, logdir: Path, budget: float, stage_dir: Path | None, groups: str) -> None:
     start = time.time()
     logdir.mkdir(parents=True, exist_ok=True)
-    for group in [g for g in groups.split(";") if g]:
-        variants = group.split(",")
+    queue = [g.split(",") for g in groups.split(";") if g]
+    n = 0
+    while queue:
+        variants = queue.pop(0)
         left = budget - (time.time() - start)
-        while variants and sum(GROUP_COST.get(v, 60) for v in variants) > left:
+        while variants and PROCESS_COST + sum(GROUP_COST.get(v, 30) for v in variants) > left:
             dropped = variants.pop()  # the last ones are worth least
-            line = {"phase": "micro", "variant": dropped, "ok": False, "error": f"skipped: {left:.0f} s left"}
             with out.open("a") as f:
-                f.write(json.dumps(line) + "\n")
-            print(json.dumps(line), flush=True)
+                f.write(json.dumps({"phase": "micro", "variant": dropped, "ok": False,
+                                    "error": f"skipped: {left:.0f} s left"}) + "\n")
+            print(json.dumps({"variant": dropped, "ok": False, "error": f"skipped: {left:.0f} s left"}), flush=True)
         if not variants:
             continue
-        group = ",".join(variants)
-        cost = sum(GROUP_COST.get(v, 60) for v in variants)
-        cmd = [sys.executable, str(Path(__file__).resolve()), "run", group, str(model)]
-        if stage_dir:
-            cmd += ["--stage-dir", str(stage_dir)]
-        log = logdir / f"micro_{group.replace(',', '+')}.log"
-        seen: set[str] = set()
-        try:
-            with log.open("w") as lf:
-                proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=lf, text=True,
-                                      timeout=max(30.0, min(left, 3 * cost)))
-            stdout, rc = proc.stdout, proc.returncode
-        except subprocess.TimeoutExpired as e:
-            stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-            rc = "timeout"
-        with out.open("a") as f:
-            for line in stdout.splitlines():
-                if line.startswith("{"):
-                    f.write(line + "\n")
-                    rec = json.loads(line)
-                    seen.add(rec.get("variant"))
-                    print(json.dumps({k: rec.get(k) for k in ("variant", "ok", "seconds", "gb_s", "copy_s",
-                                                              "load_s", "error")}), flush=True)
-            for v in variants:
-                if v not in seen:
-                    tail = log.read_text()[-800:] if log.exists() else ""
-                    line = {"phase": "micro", "variant": v, "ok": False, "error": f"process rc={rc}",
-                            "stderr_tail": tail}
-                    f.write(json.dumps(line) + "\n")
-                    print(json.dumps({"variant": v, "ok": False, "error": f"process rc={rc}"}), flush=True)
+        n += 1
+        cost = PROCESS_COST + sum(GROUP_COST.get(v, 30) for v in variants)
+        rest = run_group(variants, model, out, logdir / f"micro_{n}.log", max(30.0, min(left - 5, 3 * cost)),
+                         stage_dir)
+        if rest:
+            queue.insert(0, rest)
 
 
 def main() -> None:

@@ -43,7 +43,7 @@ def pct(values: list[float], q: float) -> float | None:
     if not values:
         return None
     v = sorted(values)
-    return v[min(len(v) - 1, int(round(q / 100 * (len(v) - 1))))]
+    return v[min(len(v) - 1, round(q / 100 * (len(v) - 1)))]
 
 
 async def complete(session: aiohttp.ClientSession, a, prompt: str, key: str | None) -> dict:

@@ -7,6 +7,7 @@ usage: i20_util.py record FILE key=value...      append one JSON line (values: J
                                                  summed, prefix-cache hit rate (hits / queries, in tokens)
        i20_util.py rmetrics FILE                 JSON: vllm-router's own counters from a saved /metrics page (cache_aware's
                                                  prefix decisions: prefix_hit / prefix_miss / missing_tokens / ...)
+       i20_util.py vbsum FILE                    `vllm bench serve --save-result` JSON in this client's summary keys
        i20_util.py tree PID                      PID's descendants (to stop a server and its engine by id)
        i20_util.py best MICRO.jsonl              the fastest working non-default loader as `name|serve args`
        i20_util.py table RESULTS.jsonl           the results so far as short text tables
@@ -149,6 +150,18 @@ def rmetrics(path: str) -> dict:
     return out
 
 
+def vbsum(path: str) -> dict:
+    try:
+        b = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {"error": "no vllm bench result"}
+    keys = {"ok": "completed", "failed": "failed", "duration_s": "duration", "req_s": "request_throughput",
+            "output_tok_s": "output_throughput", "ttft_mean_ms": "mean_ttft_ms", "ttft_p50_ms": "median_ttft_ms",
+            "ttft_p90_ms": "p90_ttft_ms", "ttft_p99_ms": "p99_ttft_ms", "tpot_mean_ms": "mean_tpot_ms",
+            "e2e_p50_ms": "median_e2el_ms", "prompt_tokens": "total_input_tokens"}
+    return {k: (round(b[v], 3) if isinstance(b.get(v), float) else b.get(v)) for k, v in keys.items()}
+
+
 def tree(pid: int) -> list[int]:
     import psutil
 
@@ -184,7 +197,7 @@ def table(path: str) -> None:
         print("vllm serve time to ready   case | ok | ready s | weights s | compile cache | compile s | init engine s")
         for r in ready:
             ls = r.get("log", {}) or {}
-            print(f"  {r.get('case')} | {r.get('ok')} | {r.get('ready_s')} | {ls.get('model_load_s')} | "
+            print(f"  {r.get('case')} ({r.get('loader')}) | {r.get('ok')} | {r.get('ready_s')} | {ls.get('model_load_s')} | "
                   f"{ls.get('compile_cache')} | {ls.get('compile_total_s')} | {ls.get('init_engine_s')}")
     routing = [r for r in rows if r.get("phase") == "routing" and r.get("workload")]
     if routing:
@@ -207,6 +220,8 @@ def main() -> None:
         print(json.dumps(metrics(args[0], args[1])))
     elif cmd == "mdiff":
         print(json.dumps(mdiff(args)))
+    elif cmd == "vbsum":
+        print(json.dumps(vbsum(args[0])))
     elif cmd == "rmetrics":
         print(json.dumps(rmetrics(args[0])))
     elif cmd == "tree":
