@@ -52,3 +52,45 @@ def sandbox():
     cluster = ensure_sandbox(nodes=SANDBOX_NODES)
     yield cluster
     cluster.down()
+
+
+# ---------------------------------------------------------------- where to look when a test fails
+
+RESULTS_DIRS: list[Path] = []  # results folders of deployments shared by several tests (module/session fixtures)
+LOG_TAIL_LINES = 12
+
+
+def run_folders(results: Path) -> list[Path]:
+    """Every run folder under a results folder, an endpoint's members' included, newest last."""
+    folders = [p.parent for p in results.glob("**/state.json")]
+    return sorted(set(folders), key=lambda p: p.stat().st_mtime)
+
+
+def where_to_look(results_dirs: list[Path]) -> str:
+    """The run folders, what each one's state says, and the tail of the logs that explain a failure."""
+    from hpcserve.core.runstate import RunState
+
+    lines = []
+    for folder in [f for results in results_dirs for f in run_folders(results)][-6:]:
+        state = RunState.read(folder)
+        error = f"; error at stage '{state.error.stage}': {state.error.diagnosis}" if state.error else ""
+        lines.append(f"{folder}: {state.status}, stage {state.stage}{error}")
+        logs = [*sorted(folder.glob("engines/*.log")), *(folder / name for name in
+                ("driver.log", "slurm.out", "endpoint.log", "router.log") if (folder / name).is_file())]
+        for log in logs[-3:]:
+            tail = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+            lines += [f"  --- {log.name} (last {len(tail)} lines)"] + [f"  {line[:240]}" for line in tail]
+    return "\n".join(lines)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or not report.failed:
+        return
+    tmp = item.funcargs.get("tmp_path") if hasattr(item, "funcargs") else None
+    dirs = [d for d in [tmp, *RESULTS_DIRS] if d is not None and Path(d).is_dir()]
+    text = where_to_look([Path(d) for d in dirs]) if dirs else ""
+    if text:
+        report.sections.append(("where to look", text))
