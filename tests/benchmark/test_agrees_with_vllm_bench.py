@@ -79,7 +79,8 @@ def vllm_server(tmp_path_factory):
     model, port = _tiny_model(), free_port()
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     argv = [sys.executable, "-m", "hpcserve.engine.vllm_cli", "serve", str(model), "--served-model-name", "tiny",
-            "--dtype", "float32", "--max-model-len", "512", "--host", "127.0.0.1", "--port", str(port)]
+            "--dtype", "float32", "--max-model-len", "512", "--host", "127.0.0.1", "--port", str(port),
+            "--enforce-eager"]  # what is compared is the load generators, not vLLM's compile path
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     with open(log, "wb") as sink:
         process = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True)

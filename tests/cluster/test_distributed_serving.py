@@ -2,7 +2,6 @@
 
 - tensor parallel 2 and pipeline parallel 2 across two nodes (vLLM's multi-node mp mode) answer
   token-identically to TP=1;
-- two replicas on two nodes both answer, status lists both, down leaves nothing on any node;
 - Ray refuses clients without the deployment's token;
 - an engine that fails to start makes `up` fail with the engine's own error, nothing left running.
 """
@@ -101,41 +100,12 @@ def check_ray_refuses_strangers(run_dir: Path) -> None:
     assert "Unauthenticated" in output or "InvalidAuthToken" in output, output[-2000:]
 
 
-def test_two_replicas_on_two_nodes_both_answer(slurm_env, tmp_path):
-    config = write_config(tmp_path / "reps.yaml", HERE / "sandbox-replicas.yaml", results_dir=str(tmp_path / "results"))
-    with deployed(config, "sb-reps") as status:
-        replicas = status["replicas"]
-        assert len(replicas) == 2 and all(r["healthy"] for r in replicas)
-        assert {r["nodes"][0] for r in replicas} == {"hsn1", "hsn2"}  # spread: one per node
-        answers = [greedy_ids(r["url"], os.environ["HPCSERVE_API_KEY"]) for r in replicas]
-        assert answers[0] == answers[1]
-        if "tp2" in GREEDY:
-            assert answers[0] == GREEDY["tp2"]  # single-node TP=1 == two-node TP=2
-        table = run_cli("status", "sb-reps").stdout
-        assert table.count("healthy") == 2
-        # The key is in $HPCSERVE_API_KEY (serve.api_key_env), as for `up`: bench by name finds it.
-        bench = run_cli("bench", "sb-reps", "--num-prompts", "4", "--concurrency", "2", "--input-len", "16",
-                        "--output-len", "4", "--out", str(tmp_path / "bench.json"))
-        assert bench.returncode == 0, bench.stdout + bench.stderr
-        summary = json.loads((tmp_path / "bench.json").read_text())["runs"][0]["summary"]
-        assert summary["completed"] == 4 and summary["failed"] == 0
-        unset = run_cli("bench", "sb-reps", "--num-prompts", "1", env={"HPCSERVE_API_KEY": ""})
-        assert unset.returncode == 2 and "export HPCSERVE_API_KEY" in unset.stderr, unset.stderr
-        assert "Traceback" not in unset.stderr
-        # A sampler on every node of every member (one job per replica), one line a second.
-        monitors = {r["nodes"][0]: Path(m["run_dir"]) / "monitor" for r, m in zip(replicas, status["members"])}
-        for node, monitor in monitors.items():
-            samples = [json.loads(line) for line in (monitor / f"{node}.jsonl").read_text().splitlines()]
-            assert len(samples) >= 3 and samples[-1]["host"] == node
-            assert max(s["engine_rss_mb"] for s in samples) > 100  # the vLLM process on that node
-
-
 def test_engine_that_fails_to_start_fails_up_with_its_own_error(slurm_env, tmp_path):
     config = write_config(tmp_path / "bad.yaml", HERE / "sandbox-replicas.yaml", name="sb-bad",
                           results_dir=str(tmp_path / "results"),
                           cluster={"nodes": 1}, parallelism={"tensor": 1, "pipeline": 1, "replicas": 1},
                           engine={"executor": "mp", "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
-                                  "args": ["--max-model-len", "999999"]})
+                                  "args": ["--enforce-eager", "--max-model-len", "999999"]})
     done = run_cli("up", str(config), "--timeout", "600", timeout=700)
     text = " ".join((done.stdout + done.stderr).split())
     assert done.returncode == 1, text

@@ -1,7 +1,7 @@
 """The embedded default, for real: `hpcserve up examples/local.yaml` -> Ray -> vLLM on CPU -> answers.
 
-One deployment for the whole module (vLLM takes tens of seconds to start on 2 cores); the last test
-stops it and checks that nothing it started is still alive.
+One deployment for every test of tests/local that only reads from it (local_deployment in
+tests/local/conftest.py: vLLM takes tens of seconds to start on 2 cores); test_zz_down.py stops it.
 """
 
 from __future__ import annotations
@@ -10,30 +10,16 @@ import json
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
-from helpers import REPO, alive, free_port, process_tree, run_cli, write_config
+from helpers import alive, run_cli
 
 pytestmark = pytest.mark.slow
 PROMPT = "the quick brown fox"
 
 
-@pytest.fixture(scope="module")
-def deployment(hpcserve_home, tmp_path_factory):
-    work = tmp_path_factory.mktemp("local")
-    port = free_port()
-    config = write_config(work / "local.yaml", REPO / "examples" / "local.yaml", name="t-local",
-                          serve={"port": port}, results_dir=str(work / "results"))
-    up = run_cli("up", str(config), "--timeout", "600", env={"HPCSERVE_API_KEY": ""})
-    info = {"up": up, "config": config, "port": port}
-    if up.returncode == 0:
-        status = json.loads(run_cli("status", "t-local", "--json").stdout)[0]
-        run_dir = Path(status["run_dir"])
-        info.update(status=status, run_dir=run_dir, url=f"http://127.0.0.1:{port}",
-                    key=(run_dir / "api_key").read_text().strip(),
-                    driver_tree=process_tree(json.loads((run_dir / "state.json").read_text())["driver_pid"]))
-    yield info
-    run_cli("down", "t-local")
+@pytest.fixture()
+def deployment(local_deployment):
+    return local_deployment
 
 
 def client(deployment):
@@ -161,15 +147,3 @@ def test_second_up_with_same_name_is_refused(deployment):
     again = run_cli("up", str(deployment["config"]))
     assert again.returncode == 2
     assert "already running" in again.stderr and "Traceback" not in again.stderr
-
-
-def test_zz_down_leaves_no_process(deployment):
-    tree = deployment["driver_tree"]
-    assert len(tree) > 5  # driver, node, ray start, gcs, raylet, engine host, vLLM ...
-    down = run_cli("down", "t-local")
-    assert down.returncode == 0, down.stderr
-    left = alive(tree)
-    assert not left, [(p.pid, p.cmdline()[:3]) for p in left]
-    assert not any(c.laddr.port == deployment["port"] for c in psutil.net_connections("tcp") if c.status == "LISTEN")
-    status = run_cli("status", "t-local")
-    assert status.returncode == 2 and "no deployment named" in status.stderr

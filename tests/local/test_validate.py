@@ -13,7 +13,8 @@ pytestmark = pytest.mark.slow
 def test_validate_writes_plausible_figures(tmp_path, hpcserve_home):
     results = tmp_path / "results"
     config = write_config(tmp_path / "v.yaml", REPO / "examples" / "local.yaml", name="t-valid",
-                          serve={"port": free_port()}, results_dir=str(results))
+                          serve={"port": free_port()}, results_dir=str(results),
+                          engine={"args": ["--enforce-eager"]})  # the compile path: tests/local/conftest.py
     done = run_cli("validate", str(config), "--concurrency", "4", "--num-prompts", "12", "--output-len", "16")
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((results / "logs" / "t-valid" / "validation.json").read_text())

@@ -1,6 +1,6 @@
-"""For real: `hpcserve up` a vLLM on CPU, `hpcserve monitor` it, read its /metrics and /api/status, and
-load the dashboard in headless Chromium (Debian's chromium driven by playwright; screenshot in
-artifacts/dashboard.png). One deployment for the module; it is always stopped with `hpcserve down`."""
+"""For real: `hpcserve monitor` the shared local deployment (tests/local/conftest.py), read its /metrics and
+/api/status, and load the dashboard in headless Chromium (Debian's chromium driven by playwright;
+screenshot in artifacts/dashboard.png)."""
 
 from __future__ import annotations
 
@@ -13,33 +13,24 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import REPO, free_port, run_cli, write_config
+from helpers import REPO, free_port
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
 from hpcserve.testing.harness import wait_until
 
 pytestmark = pytest.mark.slow
-NAME = "t-monitor"
+NAME = "t-local"  # tests/local/conftest.py
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
 
 
 @pytest.fixture(scope="module")
-def deployment(hpcserve_home, tmp_path_factory):
-    work = tmp_path_factory.mktemp("monitor")
-    port = free_port()
-    config = write_config(work / "local.yaml", REPO / "examples" / "local.yaml", name=NAME,
-                          serve={"port": port}, results_dir=str(work / "results"))
-    try:
-        up = run_cli("up", str(config), "--timeout", "600", env={"HPCSERVE_API_KEY": ""})
-        if up.returncode != 0:
-            pytest.fail(f"hpcserve up failed:\n{up.stdout}\n{up.stderr}")
-        run_dir = next((work / "results" / "logs").glob(f"{NAME}-*"))
-        yield {"url": f"http://127.0.0.1:{port}", "key": (run_dir / "api_key").read_text().strip()}
-    finally:
-        run_cli("down", NAME)
+def deployment(local_deployment):
+    if local_deployment["up"].returncode != 0:
+        pytest.fail(f"hpcserve up failed:\n{local_deployment['up'].stdout}\n{local_deployment['up'].stderr}")
+    return local_deployment
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,75 @@
+"""Two replicas behind one endpoint on two sandbox nodes (one Slurm job each), shared by the tests that only
+read from them: both answer token-identically, status lists both, bench finds the key by name, a sampler
+runs on every node; and traffic follows capacity: one replica batches up to 8 requests, the other runs one
+at a time (its replica group's --max-num-seqs 1), and under load the big one serves most of it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from helpers import run_cli, write_config
+from test_distributed_serving import GREEDY, deployed, greedy_ids, status_of
+from test_endpoint import errors, finish_bench, requests_served, start_bench
+
+pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
+HERE = Path(__file__).parent
+NAME = "sb-reps"
+
+
+@pytest.fixture(scope="module")
+def replicas(slurm_module_env, tmp_path_factory):
+    work = tmp_path_factory.mktemp("two-replicas")
+    config = write_config(work / "reps.yaml", HERE / "sandbox-replicas.yaml", results_dir=str(work / "results"),
+                          parallelism={"tensor": 1, "pipeline": 1, "replicas": 1},
+                          engine={"args": ["--enforce-eager", "--max-num-seqs", "8"]},
+                          replica_groups=[{"replicas": 1, "engine_args": ["--max-num-seqs", "1"]}])
+    with deployed(config, NAME) as status:
+        yield status, work
+
+
+def test_two_replicas_on_two_nodes_both_answer(replicas, tmp_path):
+    status, _ = replicas
+    reps = status["replicas"]
+    assert len(reps) == 2 and all(r["healthy"] for r in reps)
+    assert {r["nodes"][0] for r in reps} == {"hsn1", "hsn2"}  # spread: one per node
+    answers = [greedy_ids(r["url"], os.environ["HPCSERVE_API_KEY"]) for r in reps]
+    assert answers[0] == answers[1]
+    if "tp2" in GREEDY:
+        assert answers[0] == GREEDY["tp2"]  # single-node TP=1 == two-node TP=2
+    table = run_cli("status", NAME).stdout
+    assert table.count("healthy") == 2
+    # The key is in $HPCSERVE_API_KEY (serve.api_key_env), as for `up`: bench by name finds it.
+    bench = run_cli("bench", NAME, "--num-prompts", "4", "--concurrency", "2", "--input-len", "16",
+                    "--output-len", "4", "--out", str(tmp_path / "bench.json"))
+    assert bench.returncode == 0, bench.stdout + bench.stderr
+    summary = json.loads((tmp_path / "bench.json").read_text())["runs"][0]["summary"]
+    assert summary["completed"] == 4 and summary["failed"] == 0
+    unset = run_cli("bench", NAME, "--num-prompts", "1", env={"HPCSERVE_API_KEY": ""})
+    assert unset.returncode == 2 and "export HPCSERVE_API_KEY" in unset.stderr, unset.stderr
+    assert "Traceback" not in unset.stderr
+    # A sampler on every node of every member (one job per replica), one line a second.
+    monitors = {r["nodes"][0]: Path(m["run_dir"]) / "monitor" for r, m in zip(reps, status["members"])}
+    for node, monitor in monitors.items():
+        samples = [json.loads(line) for line in (monitor / f"{node}.jsonl").read_text().splitlines()]
+        assert len(samples) >= 3 and samples[-1]["host"] == node
+        assert max(s["engine_rss_mb"] for s in samples) > 100  # the vLLM process on that node
+
+
+def test_unequal_replicas_get_traffic_in_proportion_to_their_capacity(replicas, tmp_path):
+    # Round robin would give each half of the requests; the endpoint keeps new ones off a replica whose
+    # engine queues, so under load above both, the big one serves most.
+    members = {m["group"]: m for m in status_of(NAME)["members"]}
+    assert sorted(members) == [0, 1] and all(m["status"] == "serving" for m in members.values())
+    big, small = members[0]["backends"][0], members[1]["backends"][0]
+    before = {url: requests_served(url) for url in (big, small)}
+    bench = start_bench(NAME, tmp_path / "het.json", "--concurrency", "10", "--num-prompts", "200",
+                        "--output-len", "32")
+    requests = finish_bench(bench, tmp_path / "het.json")
+    assert len(requests) == 200 and all(r["ok"] for r in requests), errors([r for r in requests if not r["ok"]])
+    served = {url: requests_served(url) - before[url] for url in (big, small)}
+    assert served[big] + served[small] == 201  # bench's one warm-up request, then the 200
+    assert served[big] >= 2 * served[small], served

@@ -1,0 +1,33 @@
+"""The embedded default, deployed once for every test that only reads from it (tests/local): `hpcserve up
+examples/local.yaml` as shipped (vLLM's default compile path, local mode, the router in front). The last
+test module (test_zz_down.py) stops it and checks that nothing it started is still alive."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import conftest
+import pytest
+from helpers import REPO, free_port, process_tree, run_cli, write_config
+
+NAME = "t-local"
+
+
+@pytest.fixture(scope="session")
+def local_deployment(hpcserve_home, tmp_path_factory):
+    work = tmp_path_factory.mktemp("local")
+    conftest.RESULTS_DIRS.append(work / "results")
+    port = free_port()
+    config = write_config(work / "local.yaml", REPO / "examples" / "local.yaml", name=NAME,
+                          serve={"port": port}, results_dir=str(work / "results"))
+    up = run_cli("up", str(config), "--timeout", "600", env={"HPCSERVE_API_KEY": ""})
+    info = {"up": up, "config": config, "port": port, "name": NAME}
+    if up.returncode == 0:
+        status = json.loads(run_cli("status", NAME, "--json").stdout)[0]
+        run_dir = Path(status["run_dir"])
+        info.update(status=status, run_dir=run_dir, url=f"http://127.0.0.1:{port}",
+                    key=(run_dir / "api_key").read_text().strip(),
+                    driver_tree=process_tree(json.loads((run_dir / "state.json").read_text())["driver_pid"]))
+    yield info
+    run_cli("down", NAME)  # test_zz_down did it already when it ran; this is for a run that stopped early
