@@ -189,7 +189,9 @@ def deployment_lines(r: api.DeploymentStatus) -> list[str]:
     lines = [f"{r.name}: {r.runner}"]
     if r.endpoint:
         lines.append(f"  endpoint {r.endpoint}/v1")
-    lines += [f"  replica {x['index']}: {x['url']} {'healthy' if x['healthy'] else 'DOWN'}" for x in r.replicas]
+    lines += [f"  replica {x['index']}: {x['url']} {'healthy' if x['healthy'] else 'DOWN'}"
+              + (f", compile cache {x['compile_cache']}" if x.get("compile_cache", "none") != "none" else "")
+              for x in r.replicas]
     for m in r.members:
         ready = f", ready after {m['ready_s']:.0f} s" if m.get("ready_s") else ""
         note = f" ({m['note']})" if m.get("note") else ""

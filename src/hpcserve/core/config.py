@@ -89,6 +89,17 @@ class EngineSpec(Strict):
     args: list[str] = Field(default_factory=list, description="extra vLLM arguments, e.g. ['--enforce-eager']")
     env: dict[str, str] = Field(default_factory=dict, description="environment for every engine process on every node")
     startup_timeout_s: float = Field(600, gt=0)
+    compile_cache: str = Field("auto", description="vLLM's compile cache, shared by every job of the deployment "
+                               "and later ones: auto (one folder per model x vLLM version x layout under "
+                               "$HPCSERVE_CACHE or ~/.cache/hpcserve), off (vLLM's own default), or a folder "
+                               "every node can reach")
+
+    @field_validator("compile_cache")
+    @classmethod
+    def _cache_setting(cls, value: str) -> str:
+        if value not in ("auto", "off") and not value.startswith(("/", "~")):
+            raise ValueError("use auto, off, or an absolute folder every node can reach (e.g. /scratch/me/cache)")
+        return value
 
     @field_validator("args")
     @classmethod

@@ -17,6 +17,13 @@ from hpcserve.core.config import DeploymentConfig, Layout, slots_per_node
 from hpcserve.core.errors import StageError
 from hpcserve.engine.args import EngineRole, cpu_thread_binding, engine_argv
 from hpcserve.engine.client import completion_probe, health_ok
+from hpcserve.engine.compile_cache import (
+    CacheUse,
+    cache_env,
+    cache_folder,
+    cache_use,
+    vllm_version,
+)
 from hpcserve.engine.host import EngineHost
 from hpcserve.engine.logs import engine_error
 
@@ -55,11 +62,18 @@ class Replica:
     placement_seconds: float = 0.0
 
     def to_dict(self) -> dict:
-        """The replica as state.json lists it (url, nodes, processes with their logs)."""
+        """The replica as state.json lists it (url, nodes, processes with their logs, and whether its
+        engine loaded compiled graphs from the shared compile cache)."""
         return {"index": self.index, "url": self.url,
                 "nodes": [p.hostname for p in self.processes], "placement_s": round(self.placement_seconds, 3),
                 "processes": [{"rank": p.rank, "hostname": p.hostname, "address": p.address, "pid": p.pid,
-                               "log": str(p.log)} for p in self.processes]}
+                               "log": str(p.log)} for p in self.processes],
+                "compile_cache": self.compile_cache_use()}
+
+    def compile_cache_use(self) -> str:
+        """From rank 0's log; "none" before the engine compiled anything (or in eager mode)."""
+        log = self.processes[0].log if self.processes else None
+        return cache_use(log.read_text(errors="replace")) if log and log.is_file() else CacheUse.NONE
 
 
 class ReplicaSet:
@@ -130,7 +144,9 @@ class ReplicaSet:
         return replica
 
     def _engine_env(self, shape: ReplicaShape) -> dict[str, str]:
-        env = dict(self.cfg.engine.env)
+        # The compile cache first: engine.env may still name its own VLLM_CACHE_ROOT.
+        env = {**cache_env(cache_folder(self.cfg, self.model_path, self.layout, vllm_version())),
+               **self.cfg.engine.env}
         # vLLM 0.26's Ray executor picks its torch.distributed store port from a window above this one
         # (starting at port 100 when unset): replicas on one node must not share the window.
         env.setdefault("VLLM_DP_MASTER_PORT", str(self.master_port + 100 + 40 * shape.index))
