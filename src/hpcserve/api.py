@@ -34,8 +34,7 @@ from hpcserve.core.runstate import RunState, read_timeline
 from hpcserve.core.statuses import RunKind, RunStatus, Stage, StageEvent
 from hpcserve.core.timeline import stage_breakdown
 from hpcserve.deployment import preflight
-from hpcserve.deployment.driver import CHECK_ONLY_ENV
-from hpcserve.deployment.runs import launch, run_of
+from hpcserve.deployment.runs import CHECK_ONLY_ENV, launch, run_of
 from hpcserve.deployment.watch import StartWatch
 from hpcserve.endpoint.members import Member
 from hpcserve.endpoint.run import start_endpoint, stop_endpoint

@@ -32,6 +32,7 @@ from hpcserve.core.statuses import RunStatus, Stage
 from hpcserve.deployment.preflight import model_config_for, resolve_model_path
 from hpcserve.deployment.process import install_stop_handlers, process_main, run_to_end
 from hpcserve.deployment.replicas import ReplicaSet
+from hpcserve.deployment.runs import CHECK_ONLY_ENV
 from hpcserve.engine.client import READY_PROMPT
 from hpcserve.monitoring.sampler import start_samplers
 from hpcserve.planning.planner import layout_for
@@ -41,7 +42,6 @@ from hpcserve.raycluster.launch import LocalLauncher, SrunLauncher
 from hpcserve.slurm.parse import expand_nodelist
 
 WATCH_INTERVAL_S = 2.0
-CHECK_ONLY_ENV = "HPCSERVE_CHECK_ONLY"  # `hpcserve check`: stop after the health stage
 
 
 def job_nodes(local: bool) -> list[str]:

@@ -34,6 +34,7 @@ from hpcserve.slurm.render import render_batch_script
 from hpcserve.slurm.states import JobInfo, JobState
 
 DRIVER_MODULE = "hpcserve.deployment.driver"
+CHECK_ONLY_ENV = "HPCSERVE_CHECK_ONLY"  # `hpcserve check`: the driver stops after the health stage
 
 
 def launch(cfg: DeploymentConfig, results: Path, extra_env: dict[str, str] | None = None) -> Record:
