@@ -89,6 +89,9 @@ class EngineSpec(Strict):
     args: list[str] = Field(default_factory=list, description="extra vLLM arguments, e.g. ['--enforce-eager']")
     env: dict[str, str] = Field(default_factory=dict, description="environment for every engine process on every node")
     startup_timeout_s: float = Field(600, gt=0)
+    load_format: str = Field("auto", pattern=r"^[a-z0-9_]+$", description="how vLLM reads the weights: auto (the "
+                             "fastest loader installed on the nodes, docs/benchmarks/gpu.md), or a vLLM "
+                             "--load-format such as safetensors, runai_streamer, fastsafetensors, instanttensor")
     compile_cache: str = Field("auto", description="vLLM's compile cache, shared by every job of the deployment "
                                "and later ones: auto (one folder per model x vLLM version x layout under "
                                "$HPCSERVE_CACHE or ~/.cache/hpcserve), off (vLLM's own default), or a folder "

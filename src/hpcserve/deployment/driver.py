@@ -34,6 +34,7 @@ from hpcserve.deployment.process import install_stop_handlers, process_main, run
 from hpcserve.deployment.replicas import ReplicaSet
 from hpcserve.deployment.runs import CHECK_ONLY_ENV
 from hpcserve.engine.client import READY_PROMPT
+from hpcserve.engine.load_format import choose, load_format_args
 from hpcserve.monitoring.sampler import start_samplers
 from hpcserve.planning.planner import layout_for
 from hpcserve.raycluster.cluster import ClusterPlan, RayCluster
@@ -125,10 +126,12 @@ def start_engines(cfg: DeploymentConfig, parts: Deployment, run_dir: Path, write
     """Start every replica's engines, watched by the samplers; returns while they load."""
     model_path = resolve_model_path(cfg)
     layout = layout_for(cfg, model_config_for(cfg, model_path))
-    writer.begin("engine", f"{layout.replicas} replica(s) of tensor {layout.tensor} x pipeline {layout.pipeline}")
+    loader = choose(cfg.engine.load_format, cfg.engine.args, cfg.on_gpu)
+    writer.begin("engine", f"{layout.replicas} replica(s) of tensor {layout.tensor} x pipeline {layout.pipeline}; "
+                 f"weights: {loader.reason}")
     api_key = os.environ.get(cfg.serve.api_key_env or "", "") or read_api_key(run_dir)
     replicas = ReplicaSet(cfg, layout, model_path, run_dir, api_key, parts.cluster.ports.engine_master,
-                          parts.cluster.gcs_address)
+                          parts.cluster.gcs_address, load_format_args(loader))
     parts.replicas = replicas  # torn down even if it fails half-way
     replicas.start()
     for proc in replicas.processes():

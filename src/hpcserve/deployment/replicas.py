@@ -78,7 +78,7 @@ class Replica:
 
 class ReplicaSet:
     def __init__(self, cfg: DeploymentConfig, layout: Layout, model_path: str, run_dir: Path,
-                 api_key: str | None, master_port: int, gcs_address: str):
+                 api_key: str | None, master_port: int, gcs_address: str, load_args: list[str] | None = None):
         self.cfg = cfg
         self.layout = layout
         self.model_path = model_path
@@ -86,6 +86,7 @@ class ReplicaSet:
         self.api_key = api_key
         self.master_port = master_port
         self.gcs_address = gcs_address
+        self.load_args = load_args or []  # --load-format chosen for this node (engine.load_format)
         self.replicas: list[Replica] = []
 
     # ------------------------------------------------------------ start
@@ -138,7 +139,7 @@ class ReplicaSet:
             proc = EngineProcess(shape.index, rank, actor, info["hostname"], info["address"], log)
             # Ray executor: the API process must see the node's GPUs like a plain `vllm serve` (Ray gave
             # this host none); vLLM's own Ray workers get theirs from vLLM's placement group.
-            proc.pid = ray.get(actor.start.remote(engine_argv(self.cfg, self.model_path, role),
+            proc.pid = ray.get(actor.start.remote(engine_argv(self.cfg, self.model_path, role, load_args=self.load_args),
                                                   self._engine_env(shape), str(log), executor == "ray"))
             replica.processes.append(proc)
         return replica
