@@ -4,6 +4,7 @@ mp executor: one vLLM process per node of a replica (vLLM's multi-node multiproc
 replica spans nodes), each inside a placement-group bundle spread across nodes (STRICT_SPREAD).
 ray executor: one vLLM API process per replica on its first node; vLLM places its workers itself
 through its own placement group on our Ray cluster.
+uni executor (auto, for a replica of one worker): one vLLM process, placed like mp's.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ class ReplicaSet:
 
 
         on_gpu = self.cfg.on_gpu
-        executor = self.cfg.executor
+        executor = self.cfg.executor_for(self.layout.workers_per_replica)
         if executor == "ray":
             # vLLM reserves the GPUs itself; our host only needs a place on some node.
             bundles = [{"CPU": 0.01}]
@@ -153,7 +154,7 @@ class ReplicaSet:
         env.setdefault("VLLM_DP_MASTER_PORT", str(self.master_port + 100 + 40 * shape.index))
         if self.api_key:
             env["VLLM_API_KEY"] = self.api_key
-        if self.cfg.executor == "ray":
+        if self.cfg.executor_for(self.layout.workers_per_replica) == "ray":
             env["RAY_ADDRESS"] = self.gcs_address
         if not self.cfg.on_gpu and "VLLM_CPU_OMP_THREADS_BIND" not in env:
             binding = cpu_thread_binding(shape.workers_per_node, sorted(os.sched_getaffinity(0)))

@@ -20,7 +20,7 @@ class EngineRole:
     port: int
     tensor: int
     pipeline: int
-    executor: str  # "mp" | "ray"
+    executor: str  # "uni" | "mp" | "ray"
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str | None = None
