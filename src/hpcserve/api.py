@@ -29,7 +29,7 @@ from hpcserve.core.errors import (
     StageError,
     UsageError,
 )
-from hpcserve.core.files import read_json
+from hpcserve.core.files import exclusive, read_json
 from hpcserve.core.keys import key_source, read_api_key
 from hpcserve.core.paths import RunPaths
 from hpcserve.core.registry import Record, forget, list_names, load_record, save_record
@@ -207,22 +207,25 @@ def adopt(name: str, config: str | Path | DeploymentConfig | None = None,
     completion; lost members are replaced as usual. Every check that can refuse runs before anything
     starts (UsageError, exit 2). With its controller running there is nothing to adopt (idempotent: a
     crontab line can call it). With `config`, it must be the running one."""
-    record = load_record(name)
-    state = RunState.read(record.run_dir)
-    if record.kind is RunKind.ENDPOINT and is_running(record):
-        return UpResult(name, Path(record.run_dir), RunStatus.READY, state.replicas, endpoint=state.endpoint_url,
-                        reason=f"its controller runs ({run_of(record).runner_line()}): nothing to adopt", adopted=[])
-    running = check_adoptable(record, state, inspect_endpoint(record, state))
-    if config is not None:
-        check_same_config(running, config if isinstance(config, DeploymentConfig) else load_config(config),
-                          RunPaths(Path(record.run_dir)).config)
-    check_same_key(running, record.run_dir)
-    started = time.time()
-    new = adopt_endpoint(record)
-    save_record(new)
+    paths = RunPaths(Path(load_record(name).run_dir))
+    with exclusive(paths.adopt_lock):
+        record = load_record(name)  # again, under the lock: another adopt may have started one meanwhile
+        state = RunState.read(record.run_dir)
+        if record.kind is RunKind.ENDPOINT and is_running(record):
+            return UpResult(name, paths.root, RunStatus.READY, state.replicas, endpoint=state.endpoint_url,
+                            reason=f"its controller runs ({run_of(record).runner_line()}): nothing to adopt",
+                            adopted=[])
+        running = check_adoptable(record, state, inspect_endpoint(record, state))
+        if config is not None:
+            check_same_config(running, config if isinstance(config, DeploymentConfig) else load_config(config),
+                              paths.config)
+        check_same_key(running, record.run_dir)
+        started, seen = time.time(), len(read_timeline(record.run_dir))  # the predecessor's events: not news
+        new = adopt_endpoint(record)
+        save_record(new)
     # No cleanup if following fails: the new controller adopting is the repair, and one whose adoption
     # fails leaves what ran as it was (endpoint/process.py).
-    result = follow(new, on_event, timeout_s, seen_events=len(read_timeline(record.run_dir)))
+    result = follow(new, on_event, timeout_s, seen_events=seen)
     result.adopted = [d.to_dict() for d in RunState.read(record.run_dir).decisions if d.time >= started]
     return result
 

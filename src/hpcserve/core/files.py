@@ -8,9 +8,12 @@ state.json where the members and their jobs were."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -49,3 +52,15 @@ def write_secret(path: Path, secret: str) -> Path:
     """A file only its owner can read (mode 0600), created with that mode (never readable for a moment),
     written atomically. Replaces an older one of ours."""
     return write_text(path, secret, mode=0o600)
+
+
+@contextmanager
+def exclusive(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `path` (created if missing) for the block: two `hpcserve adopt` at once
+    (a crontab line and a user) must not start two controllers."""
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
