@@ -17,6 +17,8 @@ decided by decisions.adopt_member (pure); this module carries it out.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 from hpcserve.core.runstate import RunState
 from hpcserve.core.statuses import Adoption, MemberStatus
 from hpcserve.deployment.runs import run_of
@@ -27,7 +29,8 @@ from hpcserve.endpoint.router import stop_router
 from hpcserve.engine.client import completion_probe
 
 ADOPTED = "adopted"
-PROBE_TIMEOUT_S = 30.0  # a real completion of a few tokens; generous for a loaded engine
+PROBE_TIMEOUT_S = 30.0  # a real completion of a few tokens; generous: a busy replica that fails it is replaced
+CHECKS_AT_ONCE = 16
 
 
 def adopt(ctl: Controller, previous: RunState) -> str:
@@ -35,16 +38,24 @@ def adopt(ctl: Controller, previous: RunState) -> str:
     Returns a one-line summary for the timeline."""
     ctl.decisions = list(previous.decisions)
     ctl.members = [Member.from_json(m) for m in previous.members]
-    verdicts = [adopt_one(ctl, member) for member in ctl.members]
+    # Every member is checked at once: while no router runs, clients wait for the slowest check, not
+    # for their sum (a dead node's replica is refused at once, a busy one may take seconds).
+    with ThreadPoolExecutor(max_workers=CHECKS_AT_ONCE) as pool:
+        seen = list(pool.map(lambda member: examine(ctl, member), ctl.members))
+    verdicts = [adopt_one(ctl, member, gone, probe_error) for member, (gone, probe_error) in zip(ctl.members, seen)]
     router = take_router(ctl, previous.router_pid, ctl.serving_backends())
     adopted = sum(1 for v in verdicts if v is Adoption.ADOPT)
     replaced = sum(1 for v in verdicts if v in (Adoption.LOST, Adoption.DROP))
     return f"router {router}; {adopted} member(s) adopted, {replaced} to replace"
 
 
-def adopt_one(ctl: Controller, member: Member) -> Adoption:
+def examine(ctl: Controller, member: Member) -> tuple[str | None, str | None]:
+    """(why its job no longer serves, why a real completion failed): what adopt_member decides on."""
     gone = member_gone(member)
-    probe_error = probe(ctl, member) if member.status is MemberStatus.SERVING and not gone else None
+    return gone, probe(ctl, member) if member.status is MemberStatus.SERVING and not gone else None
+
+
+def adopt_one(ctl: Controller, member: Member, gone: str | None, probe_error: str | None) -> Adoption:
     verdict, reason = adopt_member(member.status, gone, probe_error)
     if verdict is Adoption.KEEP:
         return verdict
