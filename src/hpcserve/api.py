@@ -350,7 +350,8 @@ def uncontrolled_status(record: Record, state: RunState, check: EndpointCheck) -
               else f"router gone (pid {check.router_pid}): nothing answers on {state.endpoint_url}")
     checked = {m.member.name: m for m in check.members}
     return DeploymentStatus(
-        record.name, record.scheduler, RunStatus.UNCONTROLLED, state.stage, f"{check.controller_gone}; {router}",
+        record.name, record.scheduler, RunStatus.UNCONTROLLED, state.stage,
+        f"controller pid {record.driver_pid} gone (see endpoint.log); {router}",
         record.run_dir, [{**rep, "healthy": rep["url"] in answering} for rep in state.replicas],
         state.error.to_dict() if state.error else None, record.job_id,
         stage_breakdown(read_timeline(record.run_dir), record.created, state.job_started), state.endpoint_url,

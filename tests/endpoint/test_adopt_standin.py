@@ -108,10 +108,12 @@ def test_adopt_takes_over_without_restarting_and_status_tells_the_truth_meanwhil
     run_dir, router, (m0, m1, stranger) = orphan["run_dir"], orphan["router"], [u for _, u in orphan["stubs"]]
     seen = api.status(NAME)[0]
     assert seen.status is RunStatus.UNCONTROLLED, seen
-    assert f"router pid {router.pid} serving" in seen.runner and "exited" in seen.runner
+    assert f"router pid {router.pid} serving" in seen.runner and "controller pid" in seen.runner
     assert [r["healthy"] for r in seen.replicas] == [True, True]
     assert "hpcserve adopt st-adopt" in seen.advice
     assert [m["status"] for m in seen.members] == ["serving", "serving"]
+    table = run_cli("status", NAME, env={"COLUMNS": "80"}).stdout
+    assert "uncontrolled" in table and f"router pid {router.pid} serving" in table and "hpcserve adopt" in table
 
     # A config that differs from the running one: one message, exit 2, nothing started.
     other = write_config(orphan["config"].parent / "other.yaml", orphan["config"], serve={"port": free_port()})
