@@ -339,3 +339,18 @@ def _model_at(loc: list[str]) -> type[BaseModel] | None:
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+# ---------------------------------------------------------------- comparing
+
+def config_differences(running: DeploymentConfig, given: DeploymentConfig) -> list[str]:
+    """Where two deployments differ, one line per field ('serve.port: 8300 running, 8301 given'). Pure."""
+    return _differences(running.model_dump(mode="json"), given.model_dump(mode="json"), "")
+
+
+def _differences(running: Any, given: Any, where: str) -> list[str]:
+    if isinstance(running, dict) and isinstance(given, dict):
+        keys = sorted(running.keys() | given.keys(), key=str)
+        return [line for key in keys
+                for line in _differences(running.get(key), given.get(key), f"{where}.{key}" if where else key)]
+    return [] if running == given else [f"{where}: {_short(running)} running, {_short(given)} given"]

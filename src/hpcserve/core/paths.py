@@ -38,6 +38,11 @@ class RunPaths:
         """One timestamp per stage."""
         return self.root / "timeline.json"
 
+    @property
+    def adopt_lock(self) -> Path:
+        """Held while a new controller is checked for and started (`hpcserve adopt`): one at a time."""
+        return self.root / ".adopt.lock"
+
     # secrets (mode 0600)
     @property
     def api_key(self) -> Path:
