@@ -27,7 +27,6 @@ from helpers import REPO, free_port, run_cli, write_config
 from router_fixtures import start_stub, stop
 
 from hpcserve import api
-from hpcserve.core.errors import UsageError
 from hpcserve.core.files import write_json, write_secret
 from hpcserve.core.keys import store_key
 from hpcserve.core.registry import Record, load_record, save_record
@@ -105,7 +104,7 @@ def actions(run_dir: Path) -> list[str]:
 
 
 def test_adopt_takes_over_without_restarting_and_status_tells_the_truth_meanwhile(orphan):
-    run_dir, router, (m0, m1, stranger) = orphan["run_dir"], orphan["router"], [u for _, u in orphan["stubs"]]
+    run_dir, router, (m0, m1, _stranger) = orphan["run_dir"], orphan["router"], [u for _, u in orphan["stubs"]]
     seen = api.status(NAME)[0]
     assert seen.status is RunStatus.UNCONTROLLED, seen
     assert f"router pid {router.pid} serving" in seen.runner and "controller pid" in seen.runner
