@@ -11,7 +11,10 @@ One deployment of two replicas, under load through the endpoint throughout:
    Before that, one replica's node died while nothing controlled the endpoint: adoption replaces it;
 3. the surviving replica was not restarted: the same job, the same engine process alive on its node;
 4. the next node loss is handled as before: the replica leaves within 5 s, no request fails, a
-   replacement is launched.
+   replacement is launched;
+5. an engine crash (kill -9 of a replica's vLLM process on its node) is handled too: the replica leaves
+   within 5 s, no request fails, its replacement joins. (Steps 2-5 are the endpoint's self-healing test:
+   a node lost, an engine crashed, each replaced while the other replica serves.)
 """
 
 from __future__ import annotations
@@ -202,3 +205,23 @@ def test_endpoint_survives_its_login_node(slurm_env, tmp_path):
                             and kept in d["reason"]], 60, "a replacement launched")
         print(f"FIGURES node loss after adoption: left the pool after {leave['time'] - lost:.1f} s, "
               f"{len(requests)} requests, 0 failed")
+        sandbox.start_node(kept_node)
+
+        # 5. An engine crash: kill -9 of a serving replica's vLLM process, inside its node, once the
+        # replacement of step 4 serves (the other replica keeps the endpoint up).
+        wait_until(lambda: len(replicas_now(NAME)) == 2, 420, "two replicas serving again")
+        victim, (_, node, pid) = sorted(replicas_now(NAME).items())[0]
+        load = Load(url, os.environ["HPCSERVE_API_KEY"])
+        time.sleep(3)
+        crashed = time.time()
+        subprocess.run([*sandbox.node_exec_argv(node), "kill", "-9", str(pid)], check=True, timeout=10)
+        leave = wait_until(lambda: [d for d in decisions_since(NAME, crashed) if d["action"] == "leave"], 30, "leave")[0]
+        assert leave["time"] - crashed <= 5.0, leave
+        joined = wait_until(lambda: [d for d in decisions_since(NAME, crashed) if d["action"] == "join"], 420, "join")
+        requests = load.stop()
+        assert all(r.ok for r in requests), [(r.sent - crashed, r.error) for r in requests if not r.ok][:8]
+        assert len(replicas_now(NAME)) == 2 and victim not in replicas_now(NAME)
+        table = run_cli("status", NAME).stdout
+        assert "leave" in table and "launch replacement" in table
+        print(f"FIGURES engine crash: left the pool after {leave['time'] - crashed:.1f} s, replacement serving "
+              f"{joined[0]['time'] - crashed:.0f} s later, {len(requests)} requests, 0 failed")
