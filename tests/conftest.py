@@ -8,6 +8,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import helpers  # noqa: E402 - tests/ is on the path from the line above
+
 
 @pytest.fixture(scope="session")
 def hpcserve_home(tmp_path_factory) -> Path:
@@ -56,7 +58,6 @@ def sandbox():
 
 # ---------------------------------------------------------------- where to look when a test fails
 
-RESULTS_DIRS: list[Path] = []  # results folders of deployments shared by several tests (module/session fixtures)
 LOG_TAIL_LINES = 12
 
 
@@ -90,7 +91,7 @@ def pytest_runtest_makereport(item, call):
     if report.when != "call" or not report.failed:
         return
     tmp = item.funcargs.get("tmp_path") if hasattr(item, "funcargs") else None
-    dirs = [d for d in [tmp, *RESULTS_DIRS] if d is not None and Path(d).is_dir()]
+    dirs = [d for d in [tmp, *helpers.RESULTS_DIRS] if d is not None and Path(d).is_dir()]
     text = where_to_look([Path(d) for d in dirs]) if dirs else ""
     if text:
         report.sections.append(("where to look", text))

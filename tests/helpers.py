@@ -13,6 +13,7 @@ import yaml
 from hpcserve.core.net import free_loopback_port as free_port  # noqa: F401 - tests import it from here
 
 REPO = Path(__file__).resolve().parents[1]
+RESULTS_DIRS: list[Path] = []  # results folders of deployments several tests share: where to look on failure
 HPCSERVE = [sys.executable, "-m", "hpcserve.cli"]
 
 

@@ -17,7 +17,7 @@ NAME = "t-local"
 @pytest.fixture(scope="session")
 def local_deployment(hpcserve_home, tmp_path_factory):
     work = tmp_path_factory.mktemp("local")
-    conftest.RESULTS_DIRS.append(work / "results")
+    RESULTS_DIRS.append(work / "results")
     port = free_port()
     config = write_config(work / "local.yaml", REPO / "examples" / "local.yaml", name=NAME,
                           serve={"port": port}, results_dir=str(work / "results"))
