@@ -7,9 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import conftest
 import pytest
-from helpers import REPO, free_port, process_tree, run_cli, write_config
+from helpers import REPO, RESULTS_DIRS, free_port, process_tree, run_cli, write_config
 
 NAME = "t-local"
 
