@@ -31,6 +31,7 @@ from hpcserve.endpoint.healing import SelfHealing
 from hpcserve.endpoint.members import (
     Member,
     free_slot,
+    member_capacity,
     member_config,
     pool_replicas,
     replica_urls,
@@ -133,7 +134,7 @@ class Controller:
         """The member's replicas answered a real completion (its driver checked): probe them once more
         from here (the router's side of the network), then give them traffic."""
         urls = replica_urls(member.state())
-        self.pool.join(urls)
+        self.pool.join(urls, member_capacity(self.cfg, member.group))
         with self.lock:
             member.backends, member.status, member.note = urls, MemberStatus.SERVING, ""
             member.ready_s = time.time() - member.launched

@@ -2,7 +2,8 @@
 
 It runs where `hpcserve up` ran (the login node, or this machine in local mode) and outlives every job:
 
-    router    one OpenAI endpoint on serve.port, the API key enforced there (endpoint/router.py)
+    router    one OpenAI endpoint on serve.port, the API key enforced there: the data plane process
+              (endpoint/dataplane.py), driven over its admin socket (endpoint/router.py)
     members   deployments that serve the replicas (endpoint/members.py): Slurm jobs, or local drivers
     control   every second (endpoint/controller.py): probes, replacements, autoscale, walltime handover
 
@@ -76,7 +77,8 @@ def run(run_dir: Path) -> int:
     cfg = load_config(paths.config)
     api_key = os.environ.get(cfg.serve.api_key_env or "", "") or read_api_key(run_dir)
     key_file = write_secret(paths.router_key, api_key) if api_key else None  # never on a command line
-    router = Router(cfg.serve.host, cfg.serve.port, key_file, paths.router_log, model=cfg.model.name)
+    router = Router(cfg.serve.host, cfg.serve.port, key_file, paths.router_log, model=cfg.model.name,
+                    admin_socket=paths.router_admin, hold_s=cfg.serve.hold_s)
     ctl = Controller(cfg, run_dir, router, api_key)
     ctl.writer.update(driver_pid=os.getpid(), status=RunStatus.STARTING, job_started=time.time())
     install_stop_handlers(ctl.request_stop)
