@@ -155,6 +155,17 @@ def test_streaming_passes_through_incrementally(pool):
     assert times[-1] - times[0] > 0.3 and times[1] < times[-1] / 2
 
 
+def test_a_client_that_leaves_mid_stream_frees_the_engine(pool):
+    router, stubs, _ = pool
+    body = {"model": "stub", "prompt": "long", "max_tokens": 200, "stream": True}  # 4 s at 20 ms a token
+    with httpx.stream("POST", f"{router.url}/v1/completions", json=body, headers=headers(), timeout=30) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data:")
+    # the client is gone: the data plane closes its connection to the engine, which stops generating
+    _wait(lambda: sum(stub_stats(url)["in_flight"] for url in stubs.values()) == 0, 2.0)
+    _wait(lambda: all(b.in_flight == 0 for b in router.backends()), 2.0)
+
+
 def test_requests_spread_over_both_backends(pool):
     router, _, _ = pool
     stop_event = threading.Event()

@@ -64,6 +64,7 @@ LINGER_S = 1.0
 # race of a connection closed under them.
 UPSTREAM_KEEPALIVE_S = 4.0
 FDS_PER_CONNECTION = 2  # the client's connection and the one to the engine
+URL_CACHE_SIZE = 4096
 CLIENT_CLOSED = 499  # nginx's code for a client that went away before the answer: in the metrics only
 
 
@@ -137,6 +138,7 @@ class DataPlane:
         self.changed = asyncio.Event()  # replaced after every membership change: held requests wake
         self.session: aiohttp.ClientSession | None = None
         self.prefix = settings.policy is Routing.PREFIX
+        self.urls: dict[tuple[str, str], URL] = {}  # (backend, path) -> parsed URL: a few paths are most requests
 
     async def open(self) -> None:
         connector = aiohttp.TCPConnector(limit=self.settings.max_connections, limit_per_host=0,
@@ -186,6 +188,8 @@ class DataPlane:
         limit = self.settings.max_body_bytes
         if (request.content_length or 0) > limit:
             raise Refusal(413, wire.too_large(limit), close=True)
+        if request.content.is_eof():  # all of it came with the headers (most requests): no timer needed
+            return await request.read()
         if request.headers.get("Expect", "").lower() == "100-continue":  # only now: refusals come first
             await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         try:
@@ -252,21 +256,24 @@ class DataPlane:
                     headers: dict[str, str]) -> web.StreamResponse:
         """One attempt. AttemptFailed while nothing has gone to the client; after that an error ends the
         client's connection (it sees the response cut: an engine that died mid-stream)."""
-        try:
-            upstream = await self.session.request(request.method, URL(backend.url + target, encoded=True), data=body,
+        upstream = None
+        try:  # nothing has reached the client yet: a failure here may be tried on another backend
+            upstream = await self.session.request(request.method, self.upstream_url(backend.url, target), data=body,
                                                   headers=headers, allow_redirects=False)
+            whole = upstream.content_length is not None or request.method == "HEAD" or upstream.status in (204, 304)
+            # A stream commits to this backend only once its first chunk is here: vLLM answers 200 at once
+            # for a streamed request, and an engine that dies before its first token is tried elsewhere.
+            first = await (upstream.read() if whole else upstream.content.readany())
         except Exception as exc:  # noqa: BLE001 - classified; anything else is a bug and propagates
+            if upstream is not None:
+                upstream.close()
             raise attempt_failed(exc) from exc
+        out_headers = CIMultiDict(wire.returned_headers(upstream.headers.items()))
+        if whole:
+            upstream.release()
+            return web.Response(status=upstream.status, body=first, headers=out_headers)
         done = False
         try:
-            out_headers = CIMultiDict(wire.returned_headers(upstream.headers.items()))
-            if upstream.content_length is not None or request.method == "HEAD" or upstream.status in (204, 304):
-                data = await read_upstream(upstream.read())
-                done = True
-                return web.Response(status=upstream.status, body=data, headers=out_headers)
-            # A stream: commit to this backend only when its first chunk is here. vLLM answers 200 at once
-            # for a streamed request; an engine that dies before its first token is still tried elsewhere.
-            first = await read_upstream(upstream.content.readany())
             response = web.StreamResponse(status=upstream.status, headers=out_headers)
             await response.prepare(request)
             chunk = first
@@ -276,7 +283,7 @@ class DataPlane:
             await response.write_eof()
             done = True
             return response
-        except (aiohttp.ClientError, TimeoutError) as exc:  # after prepare: the stream broke
+        except (aiohttp.ClientError, TimeoutError) as exc:  # the stream broke after it began
             self.stats.broken_streams += 1
             raise ConnectionError(f"the stream from {backend.url} broke: {type(exc).__name__}") from exc
         finally:
@@ -284,6 +291,14 @@ class DataPlane:
                 upstream.release()
             else:  # closing the connection tells the engine to abort the request (client gone, or broken)
                 upstream.close()
+
+    def upstream_url(self, backend: str, target: str) -> URL:
+        url = self.urls.get((backend, target))
+        if url is None:
+            if len(self.urls) >= URL_CACHE_SIZE:  # query strings make targets unbounded: start over
+                self.urls.clear()
+            url = self.urls[(backend, target)] = URL(backend + target, encoded=True)
+        return url
 
     # -------------------------------------------------------------- admin
 
@@ -316,14 +331,6 @@ class DataPlane:
 
     async def get_health(self, _request: web.Request) -> web.Response:
         return web.json_response({"pid": os.getpid(), "port": self.settings.port})
-
-
-async def read_upstream(awaitable):
-    """An upstream read before anything went to the client: its errors are AttemptFailed."""
-    try:
-        return await awaitable
-    except Exception as exc:  # noqa: BLE001 - classified; anything else is a bug and propagates
-        raise attempt_failed(exc) from exc
 
 
 def attempt_failed(exc: BaseException) -> AttemptFailed:
