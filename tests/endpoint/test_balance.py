@@ -65,6 +65,13 @@ def test_failed_backends_are_skipped_until_their_pause_ends():
     assert choose(pool, Routing.LEAST_LOADED, None, 9.0).url == "http://b"
 
 
+def test_a_retry_prefers_a_backend_it_has_not_tried():
+    pool = pool_of(BackendSpec("http://a"), BackendSpec("http://b"))
+    a = pool.by_url["http://a"]
+    assert {choose(pool, Routing.LEAST_LOADED, None, 0.0, (a,)).url for _ in range(4)} == {"http://b"}
+    assert choose(pool, Routing.LEAST_LOADED, None, 0.0, tuple(pool.active)) is not None  # all tried: any
+
+
 def test_update_keeps_counters_and_retires_removed_backends_until_their_requests_end():
     pool = pool_of(BackendSpec("http://a"), BackendSpec("http://b"))
     a = send(pool, Routing.ROUND_ROBIN)

@@ -184,9 +184,12 @@ def within_share(backend: Backend, backends: list[Backend], epsilon: float = PRE
     return backend.in_flight + 1 <= math.ceil((1 + epsilon) * total * backend.capacity / capacity)
 
 
-def choose(pool: Pool, policy: Routing, key: bytes | None, now: float) -> Backend | None:
-    """The backend for the next request; None when none may take it now (the caller holds the request)."""
+def choose(pool: Pool, policy: Routing, key: bytes | None, now: float, tried: tuple[Backend, ...] = ()) -> Backend | None:
+    """The backend for the next request; None when none may take it now (the caller holds the request).
+    A retry names the backends it tried: another one is preferred while there is one."""
     eligible = candidates(pool.active, now)
+    if tried:
+        eligible = [b for b in eligible if b not in tried] or eligible
     if not eligible:
         return None
     pool.turn += 1

@@ -202,19 +202,20 @@ class DataPlane:
 
     async def forward(self, request: web.BaseRequest, target: str, body: bytes | None, headers: dict[str, str],
                       key: bytes | None) -> web.StreamResponse:
-        tries, hold_until = 0, None
+        tried: tuple[Backend, ...] = ()
+        hold_until = None
         while True:
-            backend = choose(self.pool, self.settings.policy, key, time.monotonic())
+            backend = choose(self.pool, self.settings.policy, key, time.monotonic(), tried)
             if backend is None:
                 hold_until = hold_until or time.monotonic() + self.settings.hold_s  # one hold per request
                 backend = await self.hold(key, hold_until)
-            tries += 1
+            tried += (backend,)
             backend.in_flight += 1
             backend.requests += 1
             try:
                 return await self.relay(request, backend, target, body, headers)
             except AttemptFailed as failed:
-                decision = wire.after_failure(failed.failure, tries, self.settings.tries)
+                decision = wire.after_failure(failed.failure, len(tried), self.settings.tries)
                 if decision.mark_failed:
                     backend.failed_until = time.monotonic() + self.settings.failed_s
                     backend.failures += 1
@@ -354,7 +355,7 @@ class Collector:
     def collect(self):
         stats, pool = self.plane.stats, self.plane.pool
         codes = CounterMetricFamily("hpcserve_router_requests", "Requests answered, by HTTP status "
-                                    f"({CLIENT_CLOSED}: the client left first)", labels=["code"])
+                                    f"({CLIENT_CLOSED}: the client left, or the stream broke)", labels=["code"])
         for code, count in sorted(stats.codes.items()):
             codes.add_metric([str(code)], count)
         cumulative, buckets = 0, []

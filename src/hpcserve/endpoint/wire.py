@@ -41,7 +41,8 @@ UNAUTHORIZED = error_body(
 def no_backend(hold_s: float) -> bytes:
     waited = f"waited {hold_s:g} s, but " if hold_s > 0 else ""
     return error_body(f"hpcserve endpoint: {waited}no model replica can take requests right now (none is in the "
-                      f"pool: it is starting, or being replaced). Retry after {RETRY_AFTER_S} s.",
+                      f"pool, as while one starts or is replaced, or none accepts connections). Retry after "
+                      f"{RETRY_AFTER_S} s.",
                       "service_unavailable", "no_replica")
 
 
