@@ -1,14 +1,19 @@
-"""Router overhead: the same load sent straight to the backends and through the router, side by side in
-one run (alternating blocks, the order flipped every block so drift of a shared machine hits both).
+"""The data plane's cost: the same load straight to the backends, through hpcserve's data plane, and
+through vllm-router (the data plane it replaced), side by side in one run (alternating blocks, the order
+rotated every block so drift of a shared machine hits all modes).
 
-    .venv/bin/python benchmarks/router.py stub  [--blocks 8 --requests 200 --concurrency 1,16]
+    flock /tmp/hpcserve-heavy.lock .venv/bin/python benchmarks/router.py stub [--blocks 6] [--json F]
     flock /tmp/hpcserve-heavy.lock .venv/bin/python benchmarks/router.py vllm [--blocks 4 --requests 24]
 
-`stub`: two fast OpenAI stand-ins (hpcserve.testing.standin) on loopback, so that a 1 ms difference
-is not hidden by an engine's noise. `vllm`: two real vLLM engines (the builtin tiny model, one core each).
-Direct traffic goes round-robin over the backends (what `hpcserve bench` did before the router); routed
-traffic goes to the router's one URL. The load generator is hpcserve's own (hpcserve.benchmark.loadgen),
-streaming with text prompts. Prints one table and, with --json, writes every figure.
+`stub`: two OpenAI stand-ins (hpcserve.testing.standin, 16 tokens, no delay) on loopback, so that a
+fraction of a millisecond is not hidden by an engine's noise. Phases: streamed requests at concurrency 1
+and 16 (added p50/p99 TTFT and e2e over direct), then the ceiling (a closed loop of 64 clients, requests
+per second, non-streamed and streamed), each with the router's CPU per request. The client is a small
+aiohttp loop in this process (TTFT = the first body bytes after the request went out, e2e = the end of
+the response; no JSON parsing, so it takes as little CPU from the servers as it can).
+`vllm`: two real vLLM engines (the builtin tiny model, one core each); throughput through each router
+against direct at concurrency 1 and 8, with hpcserve's load generator (tokens counted from usage).
+Direct traffic goes round-robin over the backends. Every loop is bounded in requests and time.
 """
 
 from __future__ import annotations
@@ -22,27 +27,43 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+import aiohttp
 import httpx
+import psutil
+from vllm_router_launch import VllmRouter
 
 from hpcserve.benchmark.loadgen import LoadShape, RequestInput, run_load
 from hpcserve.benchmark.summary import percentile
 from hpcserve.core.net import free_loopback_port as free_port
+from hpcserve.core.statuses import Routing
 from hpcserve.endpoint.router import Router
 from hpcserve.engine.client import Endpoint, completion_probe
 from hpcserve.testing.harness import spawn, stop, wait_until
 
 KEY = "router-bench-key"
+MODES = ("direct", "dataplane", "vllm-router")
+HEADERS = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
 PROMPT = "The quick brown fox jumps over the lazy dog and keeps running through the"
 
 
-def start_stubs(directory: Path, output_len: int) -> tuple[list[subprocess.Popen], list[str]]:
+@dataclass
+class Target:
+    name: str
+    urls: list[str]
+    pids: list[int]  # the router's process (CPU is counted over it and its children)
+
+
+# ------------------------------------------------------------------ backends and routers
+
+def start_stubs(directory: Path, tokens: int) -> tuple[list[subprocess.Popen], list[str]]:
     procs, urls = [], []
     for name in ("a", "b"):
         port = free_port()
         argv = [sys.executable, "-m", "hpcserve.testing.standin", "--port", str(port), "--name", name,
-                "--tokens", str(output_len)]
+                "--tokens", str(tokens)]
         procs.append(spawn(argv, directory / f"stub-{name}.log", {"HPCSERVE_STUB_API_KEY": KEY}))
         urls.append(f"http://127.0.0.1:{port}")
     for url in urls:
@@ -63,12 +84,140 @@ def start_engines(directory: Path) -> tuple[list[subprocess.Popen], list[str]]:
         procs.append(spawn(argv, directory / f"engine-{core}.log", env))
         urls.append(f"http://127.0.0.1:{port}")
     for url in urls:
-        wait_until(lambda url=url: completion_probe(url, "tiny", KEY, timeout_s=30) is not None, 600, f"a completion from {url}")
+        wait_until(lambda url=url: completion_probe(url, "tiny", KEY, timeout_s=30) is not None, 600,
+                   f"a completion from {url}")
     return procs, urls
 
 
-def block(endpoints: list[Endpoint], requests: int, concurrency: int, output_len: int) -> dict:
-    """One block of `requests` streamed completions at `concurrency`; latency and throughput figures."""
+def start_routers(directory: Path, urls: list[str], policy: Routing) -> tuple[Router, VllmRouter]:
+    key_path = directory / "api_key"
+    key_path.write_text(KEY)
+    key_path.chmod(0o600)
+    ours = Router("127.0.0.1", free_port(), key_path, directory / "dataplane.log", policy=policy,
+                  admin_socket=directory / "dp" / "admin.sock")
+    ours.start(urls)
+    theirs = VllmRouter(free_port(), key_path, directory / "vllm-router.log")
+    theirs.start(urls)
+    return ours, theirs
+
+
+# ------------------------------------------------------------------ the light client (stub phases)
+
+def cpu_seconds(pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        try:
+            process = psutil.Process(pid)
+            for each in [process, *process.children(recursive=True)]:
+                times = each.cpu_times()
+                total += times.user + times.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def body(stream: bool, tokens: int, index: int) -> bytes:
+    return json.dumps({"model": "stub", "prompt": f"{PROMPT} {index}", "max_tokens": tokens,
+                       "stream": stream}).encode()
+
+
+async def one(session: aiohttp.ClientSession, url: str, data: bytes, stream: bool, record: dict) -> None:
+    sent = time.perf_counter()
+    try:
+        async with session.post(url, data=data, headers=HEADERS) as response:
+            first = None
+            async for _chunk in response.content.iter_any():
+                first = first or time.perf_counter()
+            end = time.perf_counter()
+            if response.status != 200:
+                record["failed"] += 1
+                return
+    except Exception:  # noqa: BLE001 - a failure is data
+        record["failed"] += 1
+        return
+    record["ttft"].append(((first or end) - sent) * 1000)
+    record["e2e"].append((end - sent) * 1000)
+
+
+async def closed_loop(target: Target, clients: int, stream: bool, tokens: int, requests: int, seconds: float) -> dict:
+    """`clients` loops sending one request after the other until `requests` were sent or `seconds` passed."""
+    record = {"ttft": [], "e2e": [], "failed": 0}
+    urls = [f"{u}/v1/completions" for u in target.urls]
+    counter = iter(range(requests))
+    connector = aiohttp.TCPConnector(limit=clients, limit_per_host=0)
+    async with aiohttp.ClientSession(connector=connector, trust_env=False, auto_decompress=False,
+                                     timeout=aiohttp.ClientTimeout(total=60)) as session:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        cpu0, started = cpu_seconds(target.pids), time.perf_counter()
+
+        async def worker() -> None:
+            for index in counter:
+                if loop.time() > deadline:
+                    return
+                await one(session, urls[index % len(urls)], body(stream, tokens, index), stream, record)
+
+        await asyncio.gather(*(worker() for _ in range(clients)))
+        wall = time.perf_counter() - started
+        record.update(wall_s=wall, cpu_s=cpu_seconds(target.pids) - cpu0)
+    return record
+
+
+def merge(blocks: list[dict]) -> dict:
+    ttft = [x for b in blocks for x in b["ttft"]]
+    e2e = [x for b in blocks for x in b["e2e"]]
+    wall = sum(b["wall_s"] for b in blocks)
+    done = len(e2e)
+    return {"requests": done, "failed": sum(b["failed"] for b in blocks),
+            "p50_ttft_ms": percentile(ttft, 50), "p99_ttft_ms": percentile(ttft, 99),
+            "p50_e2e_ms": percentile(e2e, 50), "p99_e2e_ms": percentile(e2e, 99),
+            "req_per_s": done / wall if wall else None,
+            "block_req_per_s": [round(len(b["e2e"]) / b["wall_s"], 1) for b in blocks],
+            "router_cpu_ms_per_request": 1000 * sum(b["cpu_s"] for b in blocks) / done if done else None}
+
+
+async def alternate(targets: dict[str, Target], blocks: int, run_block) -> dict:
+    for name in MODES:  # warm connections and caches, unmeasured
+        await run_block(targets[name], warm=True)
+    runs = {name: [] for name in MODES}
+    for index in range(blocks):
+        order = MODES[index % len(MODES):] + MODES[:index % len(MODES)]
+        for name in order[::-1] if index % 2 else order:
+            runs[name].append(await run_block(targets[name], warm=False))
+    return {name: merge(r) for name, r in runs.items()}
+
+
+async def stub_phases(targets: dict[str, Target], args: argparse.Namespace) -> dict:
+    results = {}
+    for concurrency in (1, 16):
+        async def latency(target, warm, concurrency=concurrency):
+            n = 4 * concurrency if warm else args.requests * (2 if concurrency > 1 else 1)
+            return await closed_loop(target, concurrency, True, args.output_len, n, 120)
+
+        point = await alternate(targets, args.blocks, latency)
+        for name in MODES:
+            for figure in ("p50_ttft_ms", "p99_ttft_ms", "p50_e2e_ms", "p99_e2e_ms"):
+                point[name][f"added_{figure}"] = point[name][figure] - point["direct"][figure]
+        results[f"latency_c{concurrency}"] = point
+        show(f"streamed, {args.output_len} tokens, concurrency {concurrency}", point,
+             ["requests", "failed", "p50_ttft_ms", "added_p50_ttft_ms", "p99_ttft_ms", "added_p99_ttft_ms",
+              "p50_e2e_ms", "added_p50_e2e_ms", "p99_e2e_ms", "added_p99_e2e_ms", "req_per_s",
+              "router_cpu_ms_per_request"])
+    for stream in (False, True):
+        async def ceiling(target, warm, stream=stream):
+            return await closed_loop(target, 64, stream, args.output_len, 1_000_000, 1.0 if warm else args.block_s)
+
+        point = await alternate(targets, max(2, args.blocks // 2), ceiling)
+        results[f"ceiling_{'streamed' if stream else 'plain'}"] = point
+        show(f"ceiling: closed loop of 64 clients, {'streamed' if stream else 'non-streamed'}", point,
+             ["requests", "failed", "req_per_s", "block_req_per_s", "p50_e2e_ms", "p99_e2e_ms",
+              "router_cpu_ms_per_request"])
+    return results
+
+
+# ------------------------------------------------------------------ real engines
+
+def vllm_block(endpoints: list[Endpoint], requests: int, concurrency: int, output_len: int) -> dict:
     inputs = [RequestInput(prompt=f"{PROMPT} {i}", output_len=output_len) for i in range(requests)]
     result = asyncio.run(run_load(endpoints, inputs, LoadShape(concurrency=concurrency), [0.0] * requests,
                                   timeout_s=600))
@@ -78,80 +227,77 @@ def block(endpoints: list[Endpoint], requests: int, concurrency: int, output_len
             "duration_s": result.duration_s}
 
 
-def compare(direct: list[Endpoint], routed: list[Endpoint], blocks: int, requests: int, concurrency: int,
-            output_len: int) -> dict:
-    """Alternate direct and routed blocks; the order flips every block."""
-    runs = {"direct": [], "router": []}
-    block(direct, max(4, concurrency), concurrency, output_len)  # warm connections and caches, unmeasured
-    block(routed, max(4, concurrency), concurrency, output_len)
-    for index in range(blocks):
-        order = ("direct", "router") if index % 2 == 0 else ("router", "direct")
-        for mode in order:
-            runs[mode].append(block(direct if mode == "direct" else routed, requests, concurrency, output_len))
-    return {mode: summarize(blocks_) for mode, blocks_ in runs.items()}
+def vllm_phases(targets: dict[str, Target], args: argparse.Namespace) -> dict:
+    results = {}
+    for concurrency in (1, 8):
+        endpoints = {name: [Endpoint(url, "tiny", KEY) for url in t.urls] for name, t in targets.items()}
+        runs = {name: [] for name in MODES}
+        for name in MODES:
+            vllm_block(endpoints[name], max(4, concurrency), concurrency, args.output_len)  # warm-up
+        for index in range(args.blocks):
+            order = MODES[index % len(MODES):] + MODES[:index % len(MODES)]
+            for name in order[::-1] if index % 2 else order:
+                runs[name].append(vllm_block(endpoints[name], args.requests, concurrency, args.output_len))
+        point = {}
+        for name, blocks in runs.items():
+            duration = sum(b["duration_s"] for b in blocks)
+            point[name] = {"requests": sum(len(b["e2e_ms"]) for b in blocks), "failed": sum(b["failed"] for b in blocks),
+                           "tokens_per_s": sum(b["tokens"] for b in blocks) / duration,
+                           "p50_ttft_ms": percentile([x for b in blocks for x in b["ttft_ms"]], 50),
+                           "p50_e2e_ms": percentile([x for b in blocks for x in b["e2e_ms"]], 50),
+                           "block_tokens_per_s": [round(b["tokens"] / b["duration_s"], 1) for b in blocks]}
+        for name in MODES:
+            point[name]["throughput_ratio"] = point[name]["tokens_per_s"] / point["direct"]["tokens_per_s"]
+        results[f"vllm_c{concurrency}"] = point
+        show(f"two vLLM engines (tiny model, CPU), concurrency {concurrency}", point,
+             ["requests", "failed", "tokens_per_s", "throughput_ratio", "p50_ttft_ms", "p50_e2e_ms",
+              "block_tokens_per_s"])
+    return results
 
 
-def summarize(blocks: list[dict]) -> dict:
-    e2e = [x for b in blocks for x in b["e2e_ms"]]
-    ttft = [x for b in blocks for x in b["ttft_ms"]]
-    duration = sum(b["duration_s"] for b in blocks)
-    return {"requests": len(e2e), "failed": sum(b["failed"] for b in blocks),
-            "p50_e2e_ms": percentile(e2e, 50), "p50_ttft_ms": percentile(ttft, 50), "p99_e2e_ms": percentile(e2e, 99),
-            "req_per_s": len(e2e) / duration, "tokens_per_s": sum(b["tokens"] for b in blocks) / duration,
-            "block_req_per_s": [len(b["e2e_ms"]) / b["duration_s"] for b in blocks]}
+def show(title: str, point: dict, columns: list[str]) -> None:
+    print(f"\n## {title}\n| mode | " + " | ".join(columns) + " |")
+    for name, figures in point.items():
+        cells = [f"{figures.get(c):.2f}" if isinstance(figures.get(c), float) else str(figures.get(c)) for c in columns]
+        print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("backend", choices=["stub", "vllm"])
-    parser.add_argument("--blocks", type=int, default=8)
-    parser.add_argument("--requests", type=int, default=200, help="requests per block")
-    parser.add_argument("--concurrency", default="1,16")
+    parser.add_argument("--blocks", type=int, default=6)
+    parser.add_argument("--requests", type=int, default=200, help="requests per latency block")
+    parser.add_argument("--block-s", type=float, default=4.0, help="seconds per ceiling block")
     parser.add_argument("--output-len", type=int, default=16)
-    parser.add_argument("--policy", default="round_robin", help="the router's policy (see router_main.POLICIES)")
+    parser.add_argument("--policy", default=str(Routing.LEAST_LOADED), choices=[str(p) for p in Routing])
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
     directory = Path(tempfile.mkdtemp(prefix="router-bench-"))
-    key_path = directory / "api_key"
-    key_path.write_text(KEY)
-    key_path.chmod(0o600)
-    model = "stub" if args.backend == "stub" else "tiny"
-    procs, urls = (start_stubs(directory, args.output_len) if args.backend == "stub" else start_engines(directory))
-    router = Router("127.0.0.1", free_port(), key_path, directory / "router.log", policy=args.policy)
+    procs, urls = start_stubs(directory, args.output_len) if args.backend == "stub" else start_engines(directory)
+    ours = theirs = None
     results = {"backend": args.backend, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-               "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-               "args": {k: str(v) for k, v in vars(args).items()},
-               "points": []}
+               "machine": f"{platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()}",
+               "args": {k: str(v) for k, v in vars(args).items()}}
     try:
-        router.start(urls)
-        direct = [Endpoint(url, model, KEY) for url in urls]
-        routed = [Endpoint(router.url, model, KEY)]
-        for concurrency in [int(c) for c in args.concurrency.split(",")]:
-            point = compare(direct, routed, args.blocks, args.requests, concurrency, args.output_len)
-            point["concurrency"] = concurrency
-            point["added_p50_ms"] = point["router"]["p50_e2e_ms"] - point["direct"]["p50_e2e_ms"]
-            point["added_p50_ttft_ms"] = point["router"]["p50_ttft_ms"] - point["direct"]["p50_ttft_ms"]
-            point["throughput_ratio"] = point["router"]["req_per_s"] / point["direct"]["req_per_s"]
-            results["points"].append(point)
-            print_point(point)
+        ours, theirs = start_routers(directory, urls, Routing(args.policy))
+        targets = {"direct": Target("direct", urls, []), "dataplane": Target("dataplane", [ours.url], [ours.pid]),
+                   "vllm-router": Target("vllm-router", [theirs.url], [theirs.proc.pid])}
+        if args.backend == "stub":
+            results.update(asyncio.run(stub_phases(targets, args)))
+        else:
+            results.update(vllm_phases(targets, args))
     finally:
-        router.stop()
-        router.close()
+        for router in (ours, theirs):
+            if router is not None:
+                router.stop()
         for proc in procs:
             stop(proc)
+    results["load_after"] = os.getloadavg()
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
+    print(f"\nlogs: {directory}")
     return 0
-
-
-def print_point(p: dict) -> None:
-    d, r = p["direct"], p["router"]
-    print(f"concurrency {p['concurrency']:>3}: p50 e2e direct {d['p50_e2e_ms']:.2f} ms, "
-          f"router {r['p50_e2e_ms']:.2f} ms "
-          f"(+{p['added_p50_ms']:.2f} ms; TTFT +{p['added_p50_ttft_ms']:.2f} ms); "
-          f"req/s direct {d['req_per_s']:.1f}, router {r['req_per_s']:.1f} (x{p['throughput_ratio']:.3f}); "
-          f"failed {d['failed']}/{r['failed']}", flush=True)
 
 
 if __name__ == "__main__":

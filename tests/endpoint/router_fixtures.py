@@ -26,22 +26,43 @@ def key_file(directory: Path, key: str = KEY) -> Path:
     return path
 
 
-def start_stub(name: str, log_dir: Path, token_delay_ms: float = 20.0, key: str = KEY) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    log = open(log_dir / f"stub-{name}.log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "hpcserve.testing.standin", "--port", str(port), "--name", name,
-                             "--token-delay-ms", str(token_delay_ms)], stdout=log, stderr=log,
-                            env={**os.environ, "HPCSERVE_STUB_API_KEY": key}, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError(f"stub {name} did not start")
+def start_stub(name: str, log_dir: Path, token_delay_ms: float = 20.0, key: str = KEY,
+               slots: int | None = None, tokens: int | None = None) -> tuple[subprocess.Popen, str]:
+    return start_stubs([name], log_dir, token_delay_ms, key, slots and [slots], tokens)[0]
+
+
+def start_stubs(names: list[str], log_dir: Path, token_delay_ms: float = 20.0, key: str = KEY,
+                slots: list[int] | None = None, tokens: int | None = None) -> list[tuple[subprocess.Popen, str]]:
+    """Stand-ins started together (each takes about a second to import its web server), then awaited."""
+    started = []
+    for index, name in enumerate(names):
+        port = free_port()
+        argv = [sys.executable, "-m", "hpcserve.testing.standin", "--port", str(port), "--name", name,
+                "--token-delay-ms", str(token_delay_ms)]
+        argv += ["--slots", str(slots[index])] if slots else []
+        argv += ["--tokens", str(tokens)] if tokens else []
+        with open(log_dir / f"stub-{name}.log", "ab") as log:
+            proc = subprocess.Popen(argv, stdout=log, stderr=log, env={**os.environ, "HPCSERVE_STUB_API_KEY": key},
+                                    start_new_session=True)
+        started.append((proc, f"http://127.0.0.1:{port}"))
+    deadline = time.monotonic() + 30
+    for proc, url in started:
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or proc.poll() is not None:
+                for other, _ in started:
+                    stop(other)
+                raise RuntimeError(f"stub at {url} did not start (see {log_dir})")
+            time.sleep(0.05)
+    return started
+
+
+def stub_stats(url: str) -> dict:
+    return httpx.get(f"{url}/stub/stats", timeout=5).json()
 
 
 def headers(key: str = KEY) -> dict[str, str]:

@@ -78,7 +78,7 @@ def orphan(hpcserve_home, tmp_path, monkeypatch):
     write_json(run_dir / "timeline.json", [{"stage": Stage.READY, "event": "started", "time": time.time()}])
     write_json(run_dir / "state.json", {
         "status": "ready", "stage": "ready", "driver_pid": pid,
-        "endpoint": {"url": router.url, "pid": router.pid, "metrics_port": router.metrics_port},
+        "endpoint": {"url": router.url, "pid": router.pid},
         "members": [member(i, stub, url, run_dir) for i, (stub, url) in enumerate(stubs[:2])],
         "replicas": [{"index": i, "url": url, "model": "tiny"} for i, (_, url) in enumerate(stubs[:2])]})
     save_record(Record(name=NAME, scheduler="local", run_dir=str(run_dir), driver_pid=pid, driver_started=started,

@@ -1,13 +1,19 @@
-"""The router (sglang-router data plane + our control) in front of real backend processes: the fast
-OpenAI stand-in (router_stub). The same behaviour in front of real vLLM engines: test_router_vllm.py.
-Every process here is started and stopped by its PID."""
+"""The endpoint's data plane (endpoint/dataplane.py, driven by router.Router) as real processes in front
+of real backend processes: the fast OpenAI stand-in (hpcserve.testing.standin). The same behaviour in
+front of real vLLM engines: test_router_vllm.py. The pure decisions: test_balance.py.
+Every process here is started and stopped by its PID. Processes are shared where tests only read."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
+import stat
 import threading
 import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import psutil
@@ -18,197 +24,127 @@ from router_fixtures import (
     headers,
     key_file,
     run_load,
-    start_stub,
+    start_stubs,
     stop,
     stream_times,
+    stub_stats,
 )
 
-from hpcserve.endpoint.rotation import Rotation, backends_to_pause, next_paused
-from hpcserve.endpoint.router import (
-    Router,
-    RouterError,
-    backends_from_json,
-    launcher_argv,
-    stop_router,
-)
-from hpcserve.endpoint.router_main import read_key_file
-from hpcserve.engine.metrics import EngineLoad, engine_load, is_drained, is_saturated
+from hpcserve.core.statuses import Routing
+from hpcserve.endpoint.router import Router, RouterError, stop_router
 
-VLLM_METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
-# TYPE vllm:num_requests_running gauge
-vllm:num_requests_running{engine="0",model_name="tiny"} 3.0
-# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
-# TYPE vllm:num_requests_waiting gauge
-vllm:num_requests_waiting{engine="0",model_name="tiny"} 2.0
-# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
-# TYPE vllm:kv_cache_usage_perc gauge
-vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.5
-"""
+STRICT = ["--max-body-mb", "1", "--header-timeout-s", "1", "--body-timeout-s", "1", "--max-connections", "6"]
+HTTP = httpx.Client(timeout=30, trust_env=False)  # one keep-alive client: a new one per request costs ~50 ms
 
-
-# ---------------------------------------------------------------- pure parts
-
-def test_engine_load_from_vllm_metrics():
-    load = engine_load(VLLM_METRICS)
-    assert load == EngineLoad(running=3.0, waiting=2.0, kv_cache_usage=0.5)
-    assert load.in_flight == 5 and not is_drained(load)
-    assert is_drained(engine_load("# nothing\n"))
-    assert is_saturated(load) and not is_saturated(EngineLoad(1, 0, 0.2))
-    assert is_saturated(EngineLoad(1, 0, 0.97))
-
-
-def test_saturated_backends_pause_and_come_back():
-    busy, idle, full = EngineLoad(4, 3, 0.5), EngineLoad(1, 0, 0.2), EngineLoad(2, 0, 0.97)
-    assert backends_to_pause({"a": busy, "b": idle, "c": full}, set()) == {"a", "c"}
-    assert backends_to_pause({"a": busy, "b": busy}, set()) == set()  # never all of them
-    # hysteresis: a paused backend stays out until its queue is empty and its KV cache below 85 %
-    assert backends_to_pause({"a": EngineLoad(3, 0, 0.9), "b": idle}, {"a"}) == {"a"}
-    assert backends_to_pause({"a": EngineLoad(3, 0, 0.5), "b": idle}, {"a"}) == set()
-    assert backends_to_pause({"a": None, "b": idle}, {"a"}) == {"a"}  # no figures: left as it is
-    assert backends_to_pause({"a": None, "b": idle}, set()) == set()
-
-
-def test_rotation_never_loses_a_backend_whose_probe_timed_out():
-    # Seen on the sandbox under load (all requests then got 503 "No available workers"): m0 paused, then
-    # its probe timed out once while m1 queued; m0 was forgotten (out of the router, not marked paused),
-    # and the next round paused m1, the last backend still in the router.
-    busy, idle = EngineLoad(2, 5, 0.5), EngineLoad(1, 0, 0.2)
-    pool = ["m0", "m1"]
-    paused = next_paused(pool, {"m0", "m1"}, {"m0": busy, "m1": idle}, set())
-    assert paused == {"m0"}
-    paused = next_paused(pool, {"m1"}, {"m0": busy, "m1": busy}, paused)  # m0's probe timed out
-    assert paused == {"m0"}  # still known as paused: m1, the only one judged, is never paused
-    paused = next_paused(pool, {"m0", "m1"}, {"m0": idle, "m1": busy}, paused)
-    assert paused == {"m1"}  # m0 comes back as m1 goes out: one of them is always in the router
-    assert next_paused(["m0"], {"m0"}, {"m0": busy}, {"m1"}) == set()  # m1 left the pool: forgotten
-
-
-class RecordingRouter:
-    """Stands in for the router's admin API: who is in rotation after each call."""
-
-    def __init__(self, members: set[str], refuse: set[str] = frozenset()):
-        self.members, self.refuse, self.seen = set(members), refuse, []
-
-    def add(self, url: str) -> None:
-        if url in self.refuse:
-            raise RouterError(f"{url} does not answer /health")
-        self.members.add(url)
-        self.seen.append(set(self.members))
-
-    def remove(self, url: str, drain_s: float) -> None:
-        self.members.discard(url)
-        self.seen.append(set(self.members))
-
-
-def test_rotation_swaps_backends_without_a_moment_of_none():
-    # Removing before adding left the router empty for ~60 ms: 36 of 200 requests got 503 on the sandbox.
-    busy, idle = EngineLoad(2, 5, 0.5), EngineLoad(1, 0, 0.2)
-    router = RecordingRouter({"a"})
-    rotation = Rotation(router)
-    rotation.paused = {"b"}
-    rotation.update(["a", "b"], {"a", "b"}, {"a": busy, "b": idle})
-    assert rotation.paused == {"a"} and router.members == {"b"}
-    assert all(router.seen), router.seen  # never empty in between
-
-
-def test_rotation_keeps_one_backend_when_the_one_to_resume_fails():
-    busy, idle = EngineLoad(2, 5, 0.5), EngineLoad(1, 0, 0.2)
-    router = RecordingRouter({"a"}, refuse={"b"})
-    rotation = Rotation(router)
-    rotation.paused = {"b"}
-    rotation.update(["a", "b"], {"a", "b"}, {"a": busy, "b": idle})
-    assert rotation.paused == {"b"} and router.members == {"a"}  # a stays, though it queues
-
-
-def test_key_file_readable_by_others_stops_the_router_with_the_reason(tmp_path):
-    path = key_file(tmp_path)
-    path.chmod(0o644)
-    router = Router("127.0.0.1", free_port(), path, tmp_path / "r.log")
-    with pytest.raises(RouterError, match="exited with code 2.*chmod 600"):
-        router.start()
-    router.stop()
-    router.close()
-
-
-def test_power_of_two_needs_two_backends_at_start(tmp_path):
-    router = Router("127.0.0.1", free_port(), key_file(tmp_path), tmp_path / "r.log", policy="power_of_two")
-    with pytest.raises(RouterError, match="at least 2 backends"):
-        router.start(["http://127.0.0.1:1"])
-    assert router.pid is None
-    router.close()
-
-
-def test_backends_from_workers_json():
-    data = {"workers": [{"url": "http://h:1", "model_id": "unknown", "is_healthy": True, "load": 2},
-                        {"url": "http://h:2", "is_healthy": False, "load": -1}]}
-    assert [(b.url, b.healthy, b.in_flight) for b in backends_from_json(data)] == [
-        ("http://h:1", True, 2), ("http://h:2", False, 0)]
-
-
-def test_no_secret_on_the_command_line(tmp_path):
-    argv = launcher_argv("127.0.0.1", 1, 2, key_file(tmp_path), "round_robin", ["http://h:1/"])
-    assert KEY not in " ".join(argv) and "--api-key-file" in argv and argv[argv.index("--backend") + 1] == "http://h:1"
-
-
-def test_key_file_readable_by_others_is_refused(tmp_path):
-    path = key_file(tmp_path)
-    path.chmod(0o644)
-    with pytest.raises(ValueError, match="chmod 600"):
-        read_key_file(path)
-
-
-# ---------------------------------------------------------------- a real router before stubs
 
 @pytest.fixture(scope="module")
-def pool(tmp_path_factory):
+def all_stubs(tmp_path_factory):
+    """a and b serve every test; c (slow) and d come and go in the drain and kill tests."""
     directory = tmp_path_factory.mktemp("router")
-    stubs = dict(start_stub(name, directory) for name in ("a", "b"))  # proc -> url
-    router = Router("127.0.0.1", free_port(), key_file(directory), directory / "router.log", model="stub")
+    started = start_stubs(["a", "b", "c", "d"], directory, token_delay_ms=20)
+    yield started, directory
+    for proc, _ in started:
+        stop(proc)
+
+
+@pytest.fixture(scope="module")
+def stubs(all_stubs):
+    started, directory = all_stubs
+    return dict(started[:2]), directory  # proc -> url
+
+
+def make_router(directory, name: str, **kwargs) -> Router:
+    key = kwargs.pop("key") if "key" in kwargs else key_file(directory)
+    return Router("127.0.0.1", free_port(), key, directory / f"{name}.log",
+                  model="stub", admin_socket=directory / name / "admin.sock", **kwargs)
+
+
+@pytest.fixture(scope="module")
+def pool(stubs):
+    backends, directory = stubs
+    router = make_router(directory, "main")
     try:
-        router.start(list(stubs.values()))
-        yield router, stubs, directory
+        router.start(list(backends.values()))
+        yield router, backends, directory
     finally:
         router.stop()
         router.close()
-        for proc in stubs:
-            stop(proc)
+
+
+@pytest.fixture(scope="module")
+def strict(stubs):
+    """A data plane with tight limits and a short hold, started with no backend."""
+    _, directory = stubs
+    router = make_router(directory, "strict", hold_s=1.5, options=STRICT)
+    try:
+        router.start([])
+        yield router
+    finally:
+        router.stop()
+        router.close()
 
 
 def _complete(router: Router, key: str | None = KEY, **body) -> httpx.Response:
     body = {"model": "stub", "prompt": "Hello", "max_tokens": 4, **body}
-    return httpx.post(f"{router.url}/v1/completions", json=body, headers=headers(key) if key else {}, timeout=30)
+    return HTTP.post(f"{router.url}/v1/completions", json=body, headers=headers(key) if key else {})
 
 
-def test_key_enforced_at_the_router(pool):
+def _served(urls) -> int:
+    return sum(stub_stats(url)["requests"] for url in urls)
+
+
+# ---------------------------------------------------------------- the client port
+
+def test_key_enforced_at_the_router_with_an_openai_json_401(pool):
     router, stubs, _ = pool
-    before = sum(httpx.get(f"{url}/stub/stats").json()["requests"] for url in stubs.values())
-    assert _complete(router, key=None).status_code == 401
-    assert _complete(router, key="wrong").status_code == 401
-    after = sum(httpx.get(f"{url}/stub/stats").json()["requests"] for url in stubs.values())
-    assert after == before  # refused by the router itself: no backend saw them
+    before = _served(stubs.values())
+    for key in (None, "wrong"):
+        refused = _complete(router, key=key)
+        assert refused.status_code == 401 and refused.headers["content-type"].startswith("application/json")
+        error = refused.json()["error"]
+        assert error["code"] == "invalid_api_key" and "hpcserve status NAME" in error["message"]
+    models = HTTP.get(f"{router.url}/v1/models")
+    assert models.status_code == 401  # every route, not only completions
+    assert _served(stubs.values()) == before  # refused by the data plane itself: no backend saw them
     assert _complete(router).status_code == 200
     assert router.probe() == "xxxxxxxx"  # a real completion through the router (the stub's 8 tokens)
-    chat = httpx.post(f"{router.url}/v1/chat/completions", headers=headers(), timeout=30,
+    chat = HTTP.post(f"{router.url}/v1/chat/completions", headers=headers(),
                       json={"model": "stub", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
     assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["content"] == "xxx"
-    with pytest.raises(RouterError, match="401"):  # the admin API needs the key too
-        Router._admin(_keyless(router), "GET", "/workers")
+    models = HTTP.get(f"{router.url}/v1/models", headers=headers())
+    assert models.json()["data"][0]["id"] == "stub" and models.headers["x-backend"] in ("a", "b")  # proxied
+    health = HTTP.get(f"{router.url}/health")  # open: says only that the data plane lives
+    assert health.status_code == 200 and health.content == b""
 
 
-def _keyless(router: Router) -> Router:
-    clone = Router.__new__(Router)
-    clone.__dict__.update(router.__dict__)
-    clone._key = None
-    return clone
-
-
-def test_client_errors_do_not_take_backends_out(pool):
+def test_admin_routes_are_not_on_the_client_port_and_its_socket_is_owner_only(pool):
     router, _, _ = pool
-    for _ in range(8):  # more than the circuit breaker's failure threshold, on every backend
+    for method, path in (("GET", "/backends"), ("PUT", "/backends"), ("GET", "/metrics")):
+        assert HTTP.request(method, f"{router.url}{path}", json={"backends": []}).status_code == 401
+    for method in ("GET", "PUT"):
+        with_key = HTTP.request(method, f"{router.url}/backends", json={"backends": []}, headers=headers())
+        assert with_key.status_code == 404 and with_key.headers.get("x-backend")  # the engine's 404: no admin here
+    engine_metrics = HTTP.get(f"{router.url}/metrics", headers=headers()).text
+    assert "vllm:num_requests_running" in engine_metrics and "hpcserve_router" not in engine_metrics
+    assert len(router.backends()) == 2  # the PUTs above changed nothing
+    mode = os.stat(router.admin_socket).st_mode
+    assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600
+    assert stat.S_IMODE(os.stat(router.admin_socket.parent).st_mode) == 0o700
+    metrics = router.metrics()
+    assert 'hpcserve_router_requests_total{code="200"}' in metrics and "hpcserve_router_backend_in_flight" in metrics
+
+
+def test_client_and_engine_errors_do_not_take_backends_out(pool):
+    router, stubs, _ = pool
+    for _ in range(8):  # more than any breaker's threshold, on every backend
         assert _complete(router, prompt="__answer_400__").status_code == 400
-    assert all(_complete(router).status_code == 200 for _ in range(4))
+    failed = sum(stub_stats(url)["failed"] for url in stubs.values())
+    # one request answered 500 by each backend (in turn on an idle pool), passed through
+    assert [_complete(router, prompt="__answer_500__").status_code for _ in range(2)] == [500, 500]
+    assert sum(stub_stats(url)["failed"] for url in stubs.values()) == failed + 2
+    assert all(stub_stats(url)["failed"] > 0 for url in stubs.values())
+    assert all(_complete(router).status_code == 200 for _ in range(4))  # the next requests: served at once
     assert all(b.healthy for b in router.backends())
-    assert "vllm_router" in httpx.get(router.metrics_url, timeout=5).text  # its own metrics, on loopback
 
 
 def test_streaming_passes_through_incrementally(pool):
@@ -217,6 +153,17 @@ def test_streaming_passes_through_incrementally(pool):
     assert lines[-1] == "data: [DONE]" and len(lines) == 21
     # the stub sends one token per 20 ms: chunks must arrive spread over ~400 ms, not all at the end
     assert times[-1] - times[0] > 0.3 and times[1] < times[-1] / 2
+
+
+def test_a_client_that_leaves_mid_stream_frees_the_engine(pool):
+    router, stubs, _ = pool
+    body = {"model": "stub", "prompt": "long", "max_tokens": 200, "stream": True}  # 4 s at 20 ms a token
+    with httpx.stream("POST", f"{router.url}/v1/completions", json=body, headers=headers(), timeout=30) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data:")
+    # the client is gone: the data plane closes its connection to the engine, which stops generating
+    _wait(lambda: sum(stub_stats(url)["in_flight"] for url in stubs.values()) == 0, 2.0)
+    _wait(lambda: all(b.in_flight == 0 for b in router.backends()), 2.0)
 
 
 def test_requests_spread_over_both_backends(pool):
@@ -231,38 +178,34 @@ def test_requests_spread_over_both_backends(pool):
     assert min(result.served_by.values()) > 0.25 * result.ok
 
 
-def test_removed_backend_drains_and_gets_nothing_new(pool, tmp_path):
-    router, stubs, directory = pool
-    proc, url = start_stub("c", directory, token_delay_ms=50)
-    try:
-        router.add(url)
-        # a long stream on c (its own unique prompt goes to the least busy backend: c is idle)
-        for other in stubs.values():
-            router.remove(other, drain_s=5)
-        got: dict = {}
-        reader = threading.Thread(target=lambda: got.update(zip(("times", "lines"), stream_times(
-            router.url, {"model": "stub", "prompt": "drain me", "max_tokens": 40}))))
-        reader.start()
-        _wait(lambda: httpx.get(f"{url}/stub/stats").json()["in_flight"] == 1)
-        for other in stubs.values():
-            router.add(other)
-        assert httpx.get(f"{url}/stub/stats").json()["in_flight"] == 1  # still streaming when removed
-        assert router.remove(url, drain_s=30) is True
-        # it waited for the stream (40 x 50 ms): nothing runs on c once remove returned
-        assert httpx.get(f"{url}/stub/stats").json()["in_flight"] == 0
-        served_before = httpx.get(f"{url}/stub/stats").json()["requests"]
-        for _ in range(6):
-            assert _complete(router).status_code == 200
-        assert httpx.get(f"{url}/stub/stats").json()["requests"] == served_before  # nothing new on c
-        reader.join(30)
-        assert got["lines"][-1] == "data: [DONE]" and len(got["lines"]) == 41  # the stream finished whole
-    finally:
-        stop(proc)
+def test_removed_backend_drains_and_gets_nothing_new(pool, all_stubs):
+    router, stubs, _ = pool
+    url = all_stubs[0][2][1]  # c
+    router.add(url)
+    for other in stubs.values():
+        router.remove(other, drain_s=5)
+    got: dict = {}
+    reader = threading.Thread(target=lambda: got.update(zip(("times", "lines"), stream_times(
+        router.url, {"model": "stub", "prompt": "drain me", "max_tokens": 50}))))
+    reader.start()  # a long stream on c, the only backend now
+    _wait(lambda: stub_stats(url)["in_flight"] == 1)
+    for other in stubs.values():
+        router.add(other)
+    assert stub_stats(url)["in_flight"] == 1  # still streaming when removed
+    assert router.remove(url, drain_s=30) is True
+    # it waited for the stream (50 x 20 ms): nothing runs on c once remove returned
+    assert stub_stats(url)["in_flight"] == 0
+    served_before = stub_stats(url)["requests"]
+    for _ in range(6):
+        assert _complete(router).status_code == 200
+    assert stub_stats(url)["requests"] == served_before  # nothing new on c
+    reader.join(30)
+    assert got["lines"][-1] == "data: [DONE]" and len(got["lines"]) == 51  # the stream finished whole
 
 
-def test_killed_backend_costs_no_request_and_new_backend_gets_traffic(pool):
-    router, stubs, directory = pool
-    proc, url = start_stub("d", directory)
+def test_killed_backend_costs_no_request_and_new_backend_gets_traffic(pool, all_stubs):
+    router, _, _ = pool
+    proc, url = all_stubs[0][3]  # d
     router.add(url)
     stop_event = threading.Event()
     threads, result = run_load(router.url, "stub", stop_event, workers=4)
@@ -277,22 +220,203 @@ def test_killed_backend_costs_no_request_and_new_backend_gets_traffic(pool):
             thread.join(30)
     assert result.failed == [] and result.served_by.get("d", 0) > 0
     assert result.ok > 20
-    router.remove(url, drain_s=1)  # the control plane takes it out; a dead engine has nothing to drain
+    assert router.remove(url, drain_s=1) is False  # the control plane takes it out; dead: nothing to drain
     assert url not in [b.url for b in router.backends()]
 
 
-def test_stop_by_recorded_pid_from_another_controller(tmp_path):
-    router = Router("127.0.0.1", free_port(), key_file(tmp_path), tmp_path / "router.log")
-    router.start()
+# ---------------------------------------------------------------- holding, limits, malformed requests
+
+def test_a_request_held_while_the_pool_is_empty_is_served_by_a_backend_added_meanwhile(strict, stubs):
+    backends, _ = stubs
+    with ThreadPoolExecutor(1) as pool:
+        started = time.monotonic()
+        waiting = pool.submit(_complete, strict)
+        time.sleep(0.5)
+        assert not waiting.done()  # held, not refused
+        strict.add(backends_url := next(iter(backends.values())))
+        response = waiting.result(timeout=10)
+    assert response.status_code == 200 and time.monotonic() - started < 1.5
+    strict.remove(backends_url, drain_s=0)
+
+
+def test_past_the_hold_an_empty_pool_answers_503_json_with_retry_after(strict):
+    started = time.monotonic()
+    response = _complete(strict)
+    assert response.status_code == 503 and response.headers["Retry-After"] == "5"
+    assert response.json()["error"]["code"] == "no_replica"
+    assert 1.4 < time.monotonic() - started < 5
+
+
+def _raw(router: Router, data: bytes, read: bool = True, timeout: float = 5.0) -> bytes:
+    with socket.create_connection(("127.0.0.1", router.port), timeout=timeout) as conn:
+        conn.sendall(data)
+        if not read:
+            return b""
+        chunks = []
+        try:
+            while chunk := conn.recv(65536):
+                chunks.append(chunk)
+        except (TimeoutError, ConnectionResetError):
+            pass
+        return b"".join(chunks)
+
+
+def _status(answer: bytes) -> int:
+    return int(answer.split(b" ", 2)[1]) if answer.startswith((b"HTTP/1.1 ", b"HTTP/1.0 ")) else 0
+
+
+def _json_error(answer: bytes) -> dict:
+    return json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
+
+
+def test_malformed_huge_and_slow_requests_get_json_4xx_and_the_server_serves_on(strict, stubs):
+    backends, _ = stubs
+    url = next(iter(backends.values()))
+    strict.add(url)
+    auth = f"Authorization: Bearer {KEY}\r\n".encode()
+    try:
+        garbage = _raw(strict, b"\x16\x03\x01 nonsense\r\n\r\n")
+        assert _status(garbage) == 400 and _json_error(garbage)["code"] == "bad_request"
+        too_long = _raw(strict, b"GET /" + b"x" * 20000 + b" HTTP/1.1\r\nHost: h\r\n\r\n")
+        assert _status(too_long) == 400  # request line over aiohttp's limit
+        absolute = _raw(strict, b"GET http://elsewhere/ HTTP/1.1\r\nHost: h\r\n" + auth + b"\r\n")
+        assert _status(absolute) == 400  # no forward proxying
+        huge = _raw(strict, b"POST /v1/completions HTTP/1.1\r\nHost: h\r\nContent-Length: 2000000\r\n" + auth + b"\r\n",
+                    timeout=5)
+        assert _status(huge) == 413 and _json_error(huge)["code"] == "request_too_large"
+        chunked = (b"POST /v1/completions HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n" + auth + b"\r\n"
+                   + (b"100000\r\n" + b"x" * 0x100000 + b"\r\n") * 2 + b"0\r\n\r\n")
+        assert _status(_raw(strict, chunked)) == 413
+        body = b'{"model": "stub", "prompt": "\xff\xfe bad utf-8"}'
+        bad_utf8 = _raw(strict, b"POST /v1/completions HTTP/1.1\r\nHost: h\r\nConnection: close\r\nContent-Length: "
+                        + str(len(body)).encode() + b"\r\n" + auth + b"\r\n" + body)
+        assert 400 <= _status(bad_utf8) < 600  # the engine's answer, passed on; the data plane does not decode
+        bad_header = _raw(strict, b"GET /v1/models HTTP/1.1\r\nHost: h\r\nConnection: close\r\n"
+                          b"Authorization: Bearer \xff\xfe\r\n\r\n")
+        assert _status(bad_header) == 401
+        # a slow client: headers never finished; then a body that never comes
+        started = time.monotonic()
+        assert _raw(strict, b"POST /v1/completions HTTP/1.1\r\nHost: h\r\n", timeout=10) == b""  # closed
+        assert time.monotonic() - started < 5
+        slow_body = _raw(strict, b"POST /v1/completions HTTP/1.1\r\nHost: h\r\nContent-Length: 100\r\n" + auth
+                         + b"\r\n{", timeout=10)
+        assert _status(slow_body) == 408 and _json_error(slow_body)["code"] == "request_timeout"
+        assert _complete(strict).status_code == 200  # and it serves on
+        metrics = strict.metrics()
+        assert "hpcserve_router_malformed_requests_total 2.0" in metrics
+    finally:
+        strict.remove(url, drain_s=0)
+
+
+def test_connections_above_the_cap_get_503_at_once(strict):
+    idle = [socket.create_connection(("127.0.0.1", strict.port), timeout=5) for _ in range(6)]
+    try:
+        time.sleep(0.2)
+        refused = _raw(strict, b"GET /health HTTP/1.1\r\nHost: h\r\n\r\n")
+        assert _status(refused) == 503 and _json_error(refused)["code"] == "too_many_connections"
+    finally:
+        for conn in idle:
+            conn.close()
+    _wait(lambda: httpx.get(f"{strict.url}/health", timeout=5).status_code == 200)
+
+
+# ---------------------------------------------------------------- policies
+
+def test_unequal_capacity_gets_traffic_in_proportion(tmp_path):
+    # stand-ins that run 8 and 1 requests at once (as engines with --max-num-seqs 8 and 1), 10 concurrent
+    # streams; each takes 4 x 80 ms, so the slots, not a busy machine's CPU, limit what each serves
+    started = start_stubs(["big", "small"], tmp_path, token_delay_ms=80, slots=[8, 1], tokens=4)
+    router = make_router(tmp_path, "capacity")
+    try:
+        router.start([])
+        router.apply(add=[url for _, url in started], capacities={started[0][1]: 8, started[1][1]: 1})
+
+        client = httpx.Client(timeout=60, limits=httpx.Limits(max_connections=10), headers=headers())
+
+        def one(index: int) -> str:  # one shared keep-alive client: 10 streams really in flight at once
+            body = {"model": "stub", "prompt": f"p{index}", "max_tokens": 4, "stream": True}
+            with client.stream("POST", f"{router.url}/v1/completions", json=body) as response:
+                response.read()
+                return response.headers["x-backend"]
+
+        with client, ThreadPoolExecutor(10) as workers:
+            served = Counter(workers.map(one, range(60)))
+        assert served["big"] >= 3 * served["small"], served
+    finally:
+        router.stop()
+        router.close()
+        for proc, _ in started:
+            stop(proc)
+
+
+def test_prefix_policy_keeps_a_session_or_a_shared_prompt_on_one_backend(stubs):
+    backends, directory = stubs
+    router = make_router(directory, "prefix", policy=Routing.PREFIX)
+    try:
+        router.start(list(backends.values()))
+        shared = "You are a helpful assistant. " * 80  # 2.4 KB: longer than the affinity key
+
+        def by(prompt: str, session: str | None = None) -> str:
+            extra = {"X-Session-ID": session} if session else {}
+            response = HTTP.post(f"{router.url}/v1/completions", headers={**headers(), **extra},
+                                 json={"model": "stub", "prompt": prompt, "max_tokens": 2})
+            return response.headers["x-backend"]
+
+        assert len({by(f"{shared} question {i}") for i in range(8)}) == 1
+        assert len({by(f"different {i}", session="s-42") for i in range(8)}) == 1
+        assert len({by("same", session=f"s-{i}") for i in range(16)}) == 2  # sessions spread over both
+    finally:
+        router.stop()
+        router.close()
+
+
+# ---------------------------------------------------------------- the process: start, attach, stop
+
+def test_attach_and_stop_by_recorded_pid_from_another_controller(tmp_path, stubs):
+    backends, _ = stubs
+    router = make_router(tmp_path, "own")
+    router.start(backends.values())
     pid = router.pid
-    assert not router.ready()  # no backend yet
     with pytest.raises(RouterError, match="does not answer /health"):
         router.add(f"http://127.0.0.1:{free_port()}")
+    other = make_router(tmp_path, "own")
+    other.port = router.port
+    assert other.attach(os.getpid()) is False  # not a data plane
+    assert other.attach(pid) is True and other.pid == pid  # a new controller takes it over, running
+    assert sorted(b.url for b in other.backends()) == sorted(backends.values())
+    assert other.remove(next(iter(backends.values())), drain_s=0) is True
+    assert len(router.backends()) == 1  # one data plane, seen by both
+    assert _complete(other).status_code == 200
     assert stop_router(pid, timeout_s=10) is True
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     router.stop()  # reaps it; stopping twice is harmless
     assert stop_router(os.getpid()) is False  # a PID that is not a router is never signalled
+    for each in (router, other):
+        each.close()
+
+
+def test_key_file_readable_by_others_stops_the_router_with_the_reason(tmp_path):
+    path = key_file(tmp_path)
+    path.chmod(0o644)
+    router = make_router(tmp_path, "r", key=path)
+    with pytest.raises(RouterError, match="exited with code 2.*chmod 600"):
+        router.start()
+    router.stop()
     router.close()
+
+
+def test_without_a_key_file_the_endpoint_is_open(tmp_path, stubs):
+    backends, _ = stubs
+    router = make_router(tmp_path, "open", key=None)
+    try:
+        router.start(backends.values())
+        response = _complete(router, key=None)  # passed to the engine, which checks its own key
+        assert response.status_code == 401 and response.json() == {"error": "Unauthorized"}
+        assert response.headers["x-backend"] in ("a", "b")
+        assert "no --key-file" in (tmp_path / "open.log").read_text()
+    finally:
+        router.stop()
+        router.close()
 
 
 def _wait(condition, timeout_s: float = 10.0) -> None:
@@ -300,16 +424,3 @@ def _wait(condition, timeout_s: float = 10.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.05)
-
-
-def test_without_a_key_file_the_endpoint_is_open(tmp_path):
-    proc, url = start_stub("open", tmp_path, key="")
-    router = Router("127.0.0.1", free_port(), None, tmp_path / "router.log", model="stub")
-    try:
-        router.start([url])
-        assert _complete(router, key=None).status_code == 200
-        assert "no --api-key-file" in (tmp_path / "router.log").read_text()
-    finally:
-        router.stop()
-        router.close()
-        stop(proc)

@@ -1,5 +1,6 @@
-"""The router in front of two real vLLM engines (the builtin tiny model, on CPU, one core each), with
-VLLM_API_KEY set on the engines. Slow: the engines load once for the module (~30-60 s each).
+"""The endpoint's data plane (endpoint/dataplane.py, driven by router.Router) in front of two real vLLM
+engines (the builtin tiny model, on CPU, one core each), with VLLM_API_KEY set on the engines. Slow: the
+engines load once for the module (~30-60 s each).
 Run under the heavy lock: flock /tmp/hpcserve-heavy.lock .venv/bin/python -m pytest -x -q THIS_FILE"""
 
 from __future__ import annotations
@@ -95,9 +96,10 @@ def _served(url: str) -> float:
 
 def test_completions_chat_and_key_at_the_router(router):
     body = {"model": MODEL, "prompt": "Hello, my name is", "max_tokens": 4, "temperature": 0}
-    assert httpx.post(f"{router.url}/v1/completions", json=body, timeout=60).status_code == 401
+    missing = httpx.post(f"{router.url}/v1/completions", json=body, timeout=60)
+    assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_api_key"  # ours, not vLLM's
     wrong = httpx.post(f"{router.url}/v1/completions", json=body, headers=headers("wrong"), timeout=60)
-    assert wrong.status_code == 401
+    assert wrong.status_code == 401 and "hpcserve" in wrong.json()["error"]["message"]
     response = httpx.post(f"{router.url}/v1/completions", json=body, headers=headers(), timeout=60)
     assert response.status_code == 200 and response.json()["choices"][0]["text"]
     chat = httpx.post(f"{router.url}/v1/chat/completions", headers=headers(), timeout=60,
@@ -107,7 +109,7 @@ def test_completions_chat_and_key_at_the_router(router):
 
 
 def test_streaming_arrives_incrementally(router, engines):
-    # test_router.py proves with a stub (one token per 20 ms) that the router passes chunks on as they
+    # test_router.py proves with a stub (one token per 20 ms) that the data plane passes chunks on as they
     # come. With vLLM on busy cores the engine itself may send several chunks at once (once seen: all 32
     # within 1 ms), so the stream through the router is compared with the same stream straight from an
     # engine, long enough (200 tokens) that a stream held back until its end could not pass.
@@ -152,7 +154,8 @@ def test_spread_drain_kill_and_add(router, engines):
     assert got["lines"][-1] == "data: [DONE]" and len(got["lines"]) > 100
     assert json.loads(got["lines"][-2][len("data:"):])["choices"][0]["finish_reason"] == "length"
 
-    # kill -9 an engine under load: no retryable request fails; then b (added at run time) gets traffic
+    # kill -9 an engine under load: no request fails (those it had not begun answering go to b); b, added
+    # at run time, gets the traffic
     router.add(url_b)
     stop_event = threading.Event()
     threads, result = run_load(router.url, MODEL, stop_event, workers=4, max_tokens=8)

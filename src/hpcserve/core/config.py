@@ -125,6 +125,10 @@ class ServeSpec(Strict):
                          "replica is its own endpoint on serve.port + index")
     handover_s: float | None = Field(None, gt=0, description="Slurm: submit a job's successor this long before "
                                      "its time limit; default 1.5 x its measured startup + 60 s")
+    hold_s: float = Field(60.0, ge=0, description="while no replica can take a request (none in the pool yet, "
+                          "or the only one being replaced), the endpoint holds new requests this long and "
+                          "sends them on as soon as one joins; after that they get 503 with Retry-After. "
+                          "0: answer 503 at once")
 
 
 class AutoscaleSpec(Strict):

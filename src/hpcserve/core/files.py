@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import stat
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -64,3 +65,23 @@ def exclusive(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def private_dir(path: Path) -> Path:
+    """A folder only its owner can enter (mode 0700): made so, or an existing one of ours tightened to it.
+    Raises PermissionError with the reason when the path is a link, not a folder, or another user's (a
+    folder in /tmp that someone else made first must not hold our sockets)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode):
+        raise PermissionError(f"{path} is not a folder (a link or a file): remove it")
+    if info.st_uid != os.getuid():
+        raise PermissionError(f"{path} belongs to uid {info.st_uid}, not to you: remove it or choose another folder")
+    if info.st_mode & 0o077:
+        os.chmod(path, 0o700)
+    return path

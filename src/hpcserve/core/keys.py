@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -19,6 +20,18 @@ def new_key() -> str:
 def bearer(api_key: str | None) -> dict[str, str]:
     """The Authorization header of a request with this key (none without a key)."""
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def read_key_file(path: Path) -> str:
+    """A key from a file that only its owner may read (the data plane's, never a command line). Raises
+    ValueError with the reason and the fix."""
+    mode = Path(path).stat().st_mode
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ValueError(f"{path} is readable by others (mode {oct(mode & 0o777)}): chmod 600 it")
+    key = Path(path).read_text().strip()
+    if not key:
+        raise ValueError(f"{path} is empty")
+    return key
 
 
 def store_key(run_dir: Path, variable: str | None, generated: str | None) -> None:

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
+import os
 import socket
+import tempfile
+from pathlib import Path
+
+# A Unix socket's path is limited by sun_path: 108 bytes on Linux, one of them the terminating NUL.
+UNIX_PATH_MAX = 107
 
 
 def is_loopback(host: str) -> bool:
@@ -38,3 +45,17 @@ def url_host(host: str) -> str:
     if host in ("0.0.0.0", "::", ""):
         return "127.0.0.1"
     return f"[{host}]" if ":" in host else host
+
+
+def unix_socket_path(preferred: Path, uid: int | None = None) -> Path:
+    """Where a Unix socket meant for `preferred` lives: there when the kernel can bind that path, else (a
+    deep run folder on a parallel file system easily passes 107 bytes) in the owner-only folder
+    /tmp/hpcserve-UID/, named by a hash of preferred's absolute path, so that every process computing it
+    for the same run folder finds the same socket. Touches no file."""
+    preferred = Path(os.path.abspath(preferred))
+    if len(os.fsencode(preferred)) <= UNIX_PATH_MAX:
+        return preferred
+    digest = hashlib.sha256(os.fsencode(preferred)).hexdigest()[:24]
+    # /tmp, not $TMPDIR: another login session (an adopting controller) must compute the same path
+    base = Path("/tmp") if os.path.isdir("/tmp") else Path(tempfile.gettempdir())
+    return base / f"hpcserve-{os.getuid() if uid is None else uid}" / f"{digest}.sock"

@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpcserve.core.net import unix_socket_path
+
 
 def cache_root() -> Path:
     """hpcserve's cache (the built tiny model, vLLM's compile caches): $HPCSERVE_CACHE, else the user's cache
@@ -58,6 +60,13 @@ class RunPaths:
     def router_key(self) -> Path:
         """The key the router process reads (never its command line)."""
         return self.root / ".router_key"
+
+    @property
+    def router_admin(self) -> Path:
+        """The data plane's admin socket (membership, its metrics): in an owner-only folder of the run
+        folder, mode 0600, so only the owner can change what the endpoint serves; in /tmp/hpcserve-UID/
+        when the run folder's path is too long for a socket (core.net.unix_socket_path)."""
+        return unix_socket_path(self.root / "router" / "admin.sock")
 
     @property
     def ray_token(self) -> Path:

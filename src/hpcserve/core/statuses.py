@@ -57,6 +57,14 @@ class MemberStatus(StrEnum):
         return self in (MemberStatus.STOPPING, MemberStatus.GONE, MemberStatus.FAILED)
 
 
+class Routing(StrEnum):
+    """How the endpoint's data plane chooses a replica for each request (endpoint/balance.py)."""
+
+    LEAST_LOADED = "least_loaded"  # fewest requests in flight through it, per unit of its capacity
+    ROUND_ROBIN = "round_robin"  # each in turn
+    PREFIX = "prefix"  # requests sharing a session or a prompt prefix go to the same replica (its KV cache)
+
+
 class MemberRole(StrEnum):
     """Why a member was launched."""
 

@@ -106,7 +106,7 @@ def take_router(ctl: Controller, pid: int | None, wanted: list[str]) -> str:
     """Adopt the router if it still serves (its backend list made `wanted`), else start a new one on the
     same port with the same key and `wanted`. Returns what happened, in a few words."""
     router = ctl.router
-    if router.adopt(pid):
+    if router.attach(pid):
         ctl.decide(ADOPTED, f"router pid {pid} on {router.url} answers: kept, clients never noticed")
         own_backends(ctl, wanted)
         return f"pid {pid} adopted"

@@ -31,6 +31,7 @@ from hpcserve.endpoint.healing import SelfHealing
 from hpcserve.endpoint.members import (
     Member,
     free_slot,
+    member_capacity,
     member_config,
     pool_replicas,
     replica_urls,
@@ -137,7 +138,7 @@ class Controller:
         """The member's replicas answered a real completion (its driver checked): probe them once more
         from here (the router's side of the network), then give them traffic."""
         urls = replica_urls(member.state())
-        self.pool.join(urls)
+        self.pool.join(urls, member_capacity(self.cfg, member.group))
         with self.lock:
             member.backends, member.status, member.note = urls, MemberStatus.SERVING, ""
             member.ready_s = time.time() - member.launched
@@ -275,8 +276,7 @@ class Controller:
         with self.lock:
             self.writer.update(replicas=pool_replicas(self.members, self.cfg.model.name),
                                paused=sorted(self.pool.rotation.paused),
-                               endpoint={"url": self.router.url, "pid": self.router.pid,
-                                         "metrics_port": self.router.metrics_port},
+                               endpoint={"url": self.router.url, "pid": self.router.pid},
                                members=[m.to_json() for m in self.members],
                                decisions=[d.to_dict() for d in self.decisions[-20:]])
 

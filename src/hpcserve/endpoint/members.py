@@ -18,6 +18,7 @@ from hpcserve.core.registry import Record
 from hpcserve.core.runstate import RunState, read_timeline
 from hpcserve.core.statuses import MemberRole, MemberStatus
 from hpcserve.deployment.replicas import replica_shapes
+from hpcserve.engine.capacity import max_num_seqs
 
 # Replica ports of member slot k: serve.port + 1 + k * PORTS_PER_MEMBER + replica index. A slot is
 # reused once its member is gone, so the ports of a long-lived endpoint stay within a small window.
@@ -87,6 +88,13 @@ def member_config(cfg: DeploymentConfig, name: str, slot: int, layout: Layout, r
     return cfg.model_copy(update={"name": name, "serve": serve, "parallelism": layout, "autoscale": None,
                                   "replica_groups": [], "cluster": cluster, "engine": engine,
                                   "results_dir": str(results_dir)})
+
+
+def member_capacity(cfg: DeploymentConfig, group: int) -> int:
+    """Requests one replica of a member of this group runs at once (its engine's --max-num-seqs): the
+    data plane gives each replica traffic in proportion to it."""
+    extra = cfg.replica_groups[group - 1].engine_args if group else []
+    return max_num_seqs([*cfg.engine.args, *extra])
 
 
 def group_layouts(cfg: DeploymentConfig, base: Layout) -> list[tuple[int, Layout]]:

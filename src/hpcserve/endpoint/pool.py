@@ -3,7 +3,7 @@
 A replica joins after its member's driver saw a real completion and the endpoint probed it once more
 (from the router's side of the network); it leaves after FAILED_PROBES_TO_LEAVE failed probes, when
 its member's job ends, or when it is drained on purpose. Between the controller's rounds the
-load-aware rotation (endpoint.rotation) keeps saturated backends out of the router's rotation.
+load-aware rotation (endpoint.rotation) marks backends whose engine queues as saturated in the data plane.
 """
 
 from __future__ import annotations
@@ -39,16 +39,17 @@ class Pool:
         self.client = httpx.Client(timeout=PROBE_TIMEOUT_S, trust_env=False)
 
     # ------------------------------------------------------------ membership
-    def join(self, urls: list[str]) -> None:
-        """Probe each replica once more with a real completion, then give it traffic."""
+    def join(self, urls: list[str], capacity: int | None = None) -> None:
+        """Probe each replica once more with a real completion, then give it traffic in proportion to
+        capacity (the requests its engine runs at once)."""
         for url in urls:
             completion_probe(url, self.model, self.api_key, timeout_s=60)
         for url in urls:
-            self.router.add(url)
+            self.router.add(url, capacity)
             self.probes[url] = []
 
     def leave(self, url: str) -> None:
-        """Out of the pool for good (a paused backend is out of the router already, but still counted)."""
+        """Out of the pool for good."""
         if url in (b.url for b in self.router.backends()):
             self.router.remove(url, drain_s=0)  # the controller waits for a drain itself, not blocking
         self.rotation.paused.discard(url)
@@ -60,7 +61,9 @@ class Pool:
         return {u for u in self.backends() if self.probes.get(u) and self.probes[u][-1].ok}
 
     def in_rotation(self) -> list[str]:
-        return [u for u in self.backends() if u not in self.rotation.paused]
+        """Every backend of the pool: a saturated one stays in the data plane, skipped there while
+        another has room."""
+        return self.backends()
 
     # ------------------------------------------------------------ probes
     def probe(self, url: str) -> bool:

@@ -2,7 +2,8 @@
 
 It runs where `hpcserve up` ran (the login node, or this machine in local mode) and outlives every job:
 
-    router    one OpenAI endpoint on serve.port, the API key enforced there (endpoint/router.py)
+    router    one OpenAI endpoint on serve.port, the API key enforced there: the data plane process
+              (endpoint/dataplane.py), driven over its admin socket (endpoint/router.py)
     members   deployments that serve the replicas (endpoint/members.py): Slurm jobs, or local drivers
     control   every second (endpoint/controller.py): probes, replacements, autoscale, walltime handover
 
@@ -124,7 +125,7 @@ def run(run_dir: Path) -> int:
     api_key = endpoint_key(cfg, paths, adopting)
     key_file = write_secret(paths.router_key, api_key) if api_key else None  # never on a command line
     router = Router(cfg.serve.host, cfg.serve.port, key_file, paths.router_log, model=cfg.model.name,
-                    metrics_port=previous.router_metrics_port if adopting else None)
+                    admin_socket=paths.router_admin, hold_s=cfg.serve.hold_s)
     ctl = Controller(cfg, run_dir, router, api_key)
     started = {} if adopting else {"job_started": time.time()}  # where up's time went stays up's
     ctl.writer.update(driver_pid=os.getpid(), status=RunStatus.STARTING, **started)

@@ -1,73 +1,57 @@
-"""Load-aware rotation over the router: which of the pool's backends take new requests now.
+"""Load-aware choice from vLLM's /metrics: which backends the data plane should treat as saturated now.
 
-vllm-router balances by its own in-flight counts; it cannot read vLLM's /metrics. The controller reads
-them and keeps a backend whose engine queues requests (or whose KV cache is nearly full) out of the
-router's rotation while another has room. The choice is pure (backends_to_pause, next_paused); Rotation
-applies it to a router. benchmarks/router_capacity.py measures it alone.
+The data plane balances by its own in-flight counts per unit of each backend's capacity, which already
+gives replicas of unequal size their share. What it cannot see is an engine's own state: requests
+queueing inside it (other clients, probes, a capacity set too high) or a KV cache nearly full. The
+controller reads /metrics a few times a second and marks such backends saturated; the data plane then
+skips them while another has room (balance.candidates), and uses them all when all are saturated
+(queueing anywhere beats refusing). Marks change the data plane's choice, never its membership, so no
+backend is ever removed and added back for load (what vllm-router needed, with a moment of none).
+The choice is pure (saturated_now, next_saturated); Rotation sends it to the router when it changes.
 """
 
 from __future__ import annotations
 
-from hpcserve.endpoint.router import Router, RouterError
+from hpcserve.endpoint.router import Router
 from hpcserve.engine.metrics import EngineLoad, is_saturated
 
 
-def backends_to_pause(loads: dict[str, EngineLoad | None], paused: set[str], max_waiting: float = 0.0,
-                      max_kv_usage: float = 0.95, resume_kv_usage: float = 0.85) -> set[str]:
-    """Load-aware choice from vLLM's /metrics, for a data plane that cannot read them: the backends to keep
-    out of the router's rotation now. A backend whose engine queues requests (waiting > max_waiting) or
-    whose KV cache is nearly full is paused while another one has room; it comes back once its queue is
-    empty and its KV cache below resume_kv_usage (the gap stops flapping). Never all of them: when every
-    backend is saturated, queueing anywhere beats refusing. A backend without load figures (None) is left
-    as it is (the probe decides about dead ones). Pure."""
-    def saturated(load: EngineLoad) -> bool:
-        return is_saturated(load, max_waiting, max_kv_usage)
-
-    def recovered(load: EngineLoad) -> bool:
-        return load.waiting == 0 and (load.kv_cache_usage is None or load.kv_cache_usage < resume_kv_usage)
-
+def saturated_now(loads: dict[str, EngineLoad | None], marked: set[str], max_waiting: float = 0.0,
+                  max_kv_usage: float = 0.95, resume_kv_usage: float = 0.85) -> set[str]:
+    """A backend whose engine queues requests (waiting > max_waiting) or whose KV cache is nearly full is
+    marked; a marked one stays marked until its queue is empty and its KV cache below resume_kv_usage
+    (the gap stops flapping). A backend without figures (None) keeps its mark (its probes decide about
+    dead ones). Pure."""
     now = set()
     for url, load in loads.items():
-        was = url in paused
+        was = url in marked
         if load is None:
             now |= {url} if was else set()
-        elif (was and not recovered(load)) or (not was and saturated(load)):
+        elif was and not (load.waiting == 0 and (load.kv_cache_usage is None or load.kv_cache_usage < resume_kv_usage)):
             now.add(url)
-    return now if len(now) < len(loads) else set()
+        elif not was and is_saturated(load, max_waiting, max_kv_usage):
+            now.add(url)
+    return now
 
 
-def next_paused(pool: list[str], answered: set[str], loads: dict[str, EngineLoad | None], paused: set[str]) -> set[str]:
-    """The backends out of rotation after one round of the controller. Only backends whose last probe
-    answered are judged: pausing the one healthy backend because a dying one still "has room" would
-    leave the router with none. A paused backend whose probe failed stays paused (its probes decide
-    whether it leaves the pool): forgetting it would leave it out of the router for good, and a later
-    round could pause the last backend still in it. Backends gone from the pool are forgotten. Pure."""
+def next_saturated(pool: list[str], answered: set[str], loads: dict[str, EngineLoad | None], marked: set[str]) -> set[str]:
+    """The marks after one round of the controller. Only backends whose last probe answered are judged
+    (a dying one's stale figures decide nothing); the others keep their marks; backends gone from the
+    pool are forgotten. Pure."""
     judged = [url for url in pool if url in answered]
-    now = backends_to_pause({url: loads.get(url) for url in judged}, paused & set(judged))
-    return now | ((paused & set(pool)) - set(judged))
+    now = saturated_now({url: loads.get(url) for url in judged}, marked & set(judged))
+    return now | ((marked & set(pool)) - set(judged))
 
 
 class Rotation:
-    """Load-aware rotation over a router (next_paused applied): which of the pool's backends take new
-    requests now. The controller drives it; benchmarks/router_capacity.py measures it alone."""
+    """The saturation marks of the pool's backends, sent to the data plane when they change. The
+    controller drives it every ROTATION_S; `paused` is the name state.json has shown them under."""
 
     def __init__(self, router: Router):
         self.router = router
-        self.paused: set[str] = set()  # in the pool, but out of the router's rotation for now
+        self.paused: set[str] = set()  # saturated now: skipped by the data plane while another has room
 
     def update(self, pool: list[str], answered: set[str], loads: dict[str, EngineLoad | None]) -> None:
-        paused = next_paused(pool, answered, loads, self.paused)
-        # Resumed ones first: removing first would leave the router without a backend for the time an add
-        # takes (~60 ms), and it answers 503 "No available workers" meanwhile (seen on the sandbox).
-        for url in sorted(self.paused - paused):
-            if url not in pool:  # left the pool meanwhile: stays out
-                continue
-            try:
-                self.router.add(url)
-            except RouterError:  # it stopped answering since its probe: paused still, tried next round
-                paused = paused | {url}
-        if pool and set(pool) <= paused:  # a failed add broke "never all of them": pause nobody new
-            paused = paused & self.paused
-        for url in sorted(paused - self.paused):
-            self.router.remove(url, drain_s=0)
-        self.paused = paused
+        marked = next_saturated(pool, answered, loads, self.paused)
+        self.router.set_saturated(marked)  # one admin call, only when a mark changed
+        self.paused = marked

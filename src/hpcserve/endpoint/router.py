@@ -1,24 +1,23 @@
-"""One stable OpenAI endpoint in front of every replica: vllm-router's data plane, hpcserve's control.
+"""One stable OpenAI endpoint in front of every replica: hpcserve's data plane process (endpoint/dataplane.py),
+driven over its admin socket by the controller.
 
-    router = Router(host, port, api_key_file, log_path)
+    router = Router(host, port, api_key_file, log_path, admin_socket=paths.router_admin)
     router.start(["http://10.0.0.5:8000", ...])   # own process group; returns once it answers
-    router.add(url)                 # a replica that already answered a real completion joins
+    router.add(url, capacity=256)   # a replica that already answered a real completion joins
     router.remove(url, drain_s=30)  # no new requests; waits for its in-flight ones to finish
-    router.backends()               # [Backend(url, healthy, in_flight)]
+    router.apply(add=[...], remove=[...])   # one round's changes as one update
+    router.set_saturated({url})     # engines that queue (from vLLM's /metrics): skipped while others have room
+    router.backends()               # [Backend(url, healthy, in_flight, capacity, saturated)]
+    router.attach(pid)              # a new controller takes over a data plane that kept running
     router.stop()                   # SIGTERM to its process group by recorded PID, then SIGKILL
 
-What the data plane (vllm-router, Rust) does: proxying, streaming passed through chunk by chunk, the
-client's key checked at the router on every route (through router_main's validator, cached per token)
-and passed on to the engines, retries of failed requests on another backend (connection errors,
-408/429/5xx) with backoff, per-backend circuit breakers, /health checks, the backend choice (round_robin
-by default; power_of_two balances the router's in-flight counts, see router_main.POLICIES), its own
-Prometheus metrics, membership changes at run time (/add_worker, /remove_worker) that leave in-flight
-requests running.
-What we write by hand (neither vllm-router nor sglang-router does it): starting it without the key on a
-command line and checking that key (router_main), deciding membership (the control plane calls
-add/remove after a real completion probe), waiting for a removed backend to drain, load-aware choice
-from vLLM's /metrics (engine_load, backends_to_pause: both routers read sglang's /get_load, which vLLM
-does not have), and stopping the process by recorded PID. docs/benchmarks/router.md compares the two data planes.
+The controller owns the list: every change sends the whole desired set (PUT /backends, idempotent), so
+a lost update is repaired by the next one and a round's changes are one call. The admin socket is a
+Unix socket in an owner-only folder of the run folder: only the owner can change membership, and the
+client port has no admin route at all. The data plane balances by its own in-flight counts per unit of
+each backend's capacity (the engine's --max-num-seqs) and skips saturated backends while another has
+room; the controller's part is what only it sees: membership after a real completion, the engines'
+/metrics, drains, stopping by recorded PID.
 """
 
 from __future__ import annotations
@@ -27,141 +26,154 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 import httpx
 import psutil
 
 from hpcserve.core.errors import HpcserveError
 from hpcserve.core.keys import bearer
-from hpcserve.core.net import free_loopback_port, url_host
+from hpcserve.core.net import unix_socket_path, url_host
+from hpcserve.core.statuses import Routing
+from hpcserve.endpoint.balance import BackendSpec
+from hpcserve.endpoint.dataplane import MODULE, PROCESS_TITLE
+from hpcserve.engine.capacity import DEFAULT_MAX_NUM_SEQS
 from hpcserve.engine.client import completion_probe, health_ok
 from hpcserve.engine.metrics import EngineLoad, engine_load, is_drained
 
-LAUNCHER = "hpcserve.endpoint.router_main"
-PROCESS_TITLE = "hpcserve-router"  # router_main sets it: `ps` shows which process is the router
-POLL_S = 0.1
+POLL_S = 0.05
+HEALTH_CHECKS_AT_ONCE = 16  # apply(): /health of joining backends asked at once
 
 
 class RouterError(HpcserveError):
     """The router did not start, or refused or failed a membership change."""
 
 
-# ------------------------------------------------------------------ the router process
-
 @dataclass(frozen=True)
 class Backend:
     url: str
-    healthy: bool
-    in_flight: int  # requests the router has sent there and not finished
+    healthy: bool  # not skipped after a connection error
+    in_flight: int  # requests the data plane has sent there and not finished
+    capacity: int = DEFAULT_MAX_NUM_SEQS
+    saturated: bool = False
 
 
 def backends_from_json(data: dict) -> list[Backend]:
-    """The router's GET /workers answer. Pure."""
-    return [Backend(w["url"], bool(w.get("is_healthy")), max(0, int(w.get("load") or 0)))
-            for w in data.get("workers", [])]
+    """The data plane's GET /backends answer. Pure."""
+    return [Backend(b["url"], not b.get("failed"), int(b.get("in_flight") or 0), int(b.get("capacity") or 1),
+                    bool(b.get("saturated"))) for b in data.get("backends", [])]
 
 
-def launcher_argv(host: str, port: int, metrics_port: int, api_key_file: Path | None, policy: str,
-                  backends: Iterable[str] = (), python: str = sys.executable) -> list[str]:
-    """The router's command line: no secret on it (the key is read from its 0600 file)."""
-    argv = [python, "-m", LAUNCHER, "--host", host, "--port", str(port), "--metrics-port", str(metrics_port),
-            "--policy", policy]
-    for url in backends:
-        argv += ["--backend", url.rstrip("/")]
-    return argv + (["--api-key-file", str(api_key_file)] if api_key_file else [])
+def in_flight_to(data: dict, url: str) -> int:
+    """Requests still running through the data plane to url, removed (retired) or not. Pure."""
+    return sum(int(b.get("in_flight") or 0) for b in [*data.get("backends", []), *data.get("retired", [])]
+               if b["url"] == url)
+
+
+def dataplane_argv(host: str, port: int, api_key_file: Path | None, admin_socket: Path, policy: Routing,
+                   hold_s: float, options: Sequence[str] = (), python: str = sys.executable) -> list[str]:
+    """The data plane's command line: no secret on it (the key is read from its 0600 file)."""
+    argv = [python, "-m", MODULE, "--host", host, "--port", str(port), "--admin-socket", str(admin_socket),
+            "--policy", str(policy), "--hold-s", f"{hold_s:g}"]
+    return argv + (["--key-file", str(api_key_file)] if api_key_file else []) + list(options)
 
 
 class Router:
-    """The router process and its admin API. Not thread-safe; one controller drives it."""
+    """The data plane process and its admin API. One controller drives it; its calls may come from
+    several threads (a round, a join thread): the desired set changes under a lock."""
 
     def __init__(self, host: str, port: int, api_key_file: Path | None, log_path: Path, model: str | None = None,
-                 policy: str = "round_robin", metrics_port: int | None = None, python: str = sys.executable):
+                 policy: Routing | str = Routing.LEAST_LOADED, admin_socket: Path | None = None, hold_s: float = 60.0,
+                 options: Sequence[str] = (), python: str = sys.executable):
         """api_key_file: a mode-0600 file with the key clients must send (and the engines expect); None
-        leaves the endpoint open. model: the served name, for probe()."""
-        self.host, self.port, self.policy, self.model = host, port, policy, model
+        leaves the endpoint open. model: the served name, for probe(). admin_socket: default beside the
+        log, in an owner-only folder. options: more data plane flags (its limits; tests and benchmarks)."""
+        self.host, self.port, self.model, self.hold_s = host, port, model, hold_s
+        self.policy = Routing(policy)
         self.api_key_file = Path(api_key_file) if api_key_file else None
         self.log_path = Path(log_path)
-        self.metrics_port = metrics_port or free_loopback_port()
-        self.python = python
+        self.admin_socket = Path(admin_socket) if admin_socket else unix_socket_path(self.log_path.parent / "router"
+                                                                                      / "admin.sock")
+        self.options, self.python = list(options), python
         self.pid: int | None = None
         self._process: psutil.Popen | None = None
         self._key: str | None = None
+        self._desired: dict[str, BackendSpec] = {}  # the controller's list, in join order
+        self._lock = threading.RLock()
         self._client = httpx.Client(timeout=httpx.Timeout(10.0, connect=2.0), trust_env=False)
+        self._admin = httpx.Client(transport=httpx.HTTPTransport(uds=str(self.admin_socket)), base_url="http://router",
+                                   timeout=httpx.Timeout(10.0, connect=2.0), trust_env=False)
 
     @property
     def url(self) -> str:
-        """The router's base URL; the OpenAI base URL is url + '/v1'."""
+        """The endpoint's base URL; the OpenAI base URL is url + '/v1'."""
         return f"http://{url_host(self.host)}:{self.port}"
-
-    @property
-    def metrics_url(self) -> str:
-        """The router's own Prometheus metrics: on loopback only (no key check there)."""
-        return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
     # -------------------------------------------------------------- lifecycle
 
     def start(self, backends: Iterable[str] = (), timeout_s: float = 60.0) -> None:
-        """Start the router (its own process group) with `backends` (engines that already answered a real
-        completion), and return once it answers and routes to them."""
-        backends = [url.rstrip("/") for url in backends]
-        if self.policy == "power_of_two" and len(backends) < 2:
-            raise RouterError("policy power_of_two needs at least 2 backends at start (vllm-router refuses "
-                              "fewer): start with them, or use round_robin")
+        """Start the data plane (its own process group) with `backends` (engines that already answered a
+        real completion; capacities known from earlier calls are kept), and return once it answers and
+        routes to them."""
+        with self._lock:
+            self._desired = {url: self._desired.get(url) or BackendSpec(url) for url in _urls(backends)}
         self._key = self.api_key_file.read_text().strip() if self.api_key_file else None
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        argv = launcher_argv(self.host, self.port, self.metrics_port, self.api_key_file, self.policy, backends,
-                             self.python)
+        argv = dataplane_argv(self.host, self.port, self.api_key_file, self.admin_socket, self.policy, self.hold_s,
+                              self.options, self.python)
         with open(self.log_path, "ab") as log:
             self._process = psutil.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                          start_new_session=True)
         self.pid = self._process.pid
         deadline = time.monotonic() + timeout_s
-        while not self._answers():
+        while not self._answers(self.pid):
             if self._process.poll() is not None:
                 raise RouterError(f"the router exited with code {self._process.returncode} at start; "
                                   f"its log: {self.log_path}: {_tail(self.log_path)}")
             if time.monotonic() > deadline:
                 self.stop()
-                raise RouterError(f"the router did not answer on {self.url} within {timeout_s:.0f} s; "
+                raise RouterError(f"the router did not answer on {self.admin_socket} within {timeout_s:.0f} s; "
                                   f"its log: {self.log_path}")
             time.sleep(POLL_S)
+        self._put()
 
-    def alive(self) -> bool:
-        return self.pid is not None and _is_router(self.pid)
-
-    def adopt(self, pid: int | None) -> bool:
-        """Take over a router a lost controller started (same port, same key file): True when that PID is
-        still our router on this port and it answers. The process stays where it is (no restart)."""
-        if pid is None or not _is_router(pid, self.port):
+    def attach(self, pid: int | None) -> bool:
+        """Take over a data plane that outlived its controller (same port, same admin socket): True when
+        that PID is our router on this port and answers on the admin socket. It keeps serving; its
+        backends become this Router's desired set (the caller then sets the set it wants)."""
+        if pid is None or not is_router(pid, self.port) or not self._answers(pid):
             return False
         self._key = self.api_key_file.read_text().strip() if self.api_key_file else None
         self.pid, self._process = pid, None
-        if self._answers():
-            return True
-        self.pid = None
-        return False
+        with self._lock:
+            self._desired = {b.url: BackendSpec(b.url, b.capacity, b.saturated) for b in self.backends()}
+        return True
+
+    def alive(self) -> bool:
+        return self.pid is not None and is_router(self.pid, self.port)
 
     def probe(self, timeout_s: float = 60.0) -> str:
-        """A real completion through the router (needs `model`); its text. Raises httpx errors or
-        RuntimeError, like readiness.completion_probe."""
+        """A real completion through the endpoint (needs `model`); its text. Raises httpx errors or
+        RuntimeError, like engine.client.completion_probe."""
         if not self.model:
             raise RouterError("probe() needs the served model name: Router(..., model=NAME)")
         return completion_probe(self.url, self.model, self._key, timeout_s=timeout_s)
 
     def ready(self) -> bool:
-        """At least one healthy backend (the router's /readiness)."""
+        """At least one backend that may take requests now."""
         try:
-            return self._client.get(f"{self.url}/readiness", headers=self._auth()).status_code == 200
-        except httpx.HTTPError:
+            return any(b.healthy for b in self.backends())
+        except RouterError:
             return False
 
     def stop(self, timeout_s: float = 10.0) -> None:
         if self.pid is not None:
-            stop_router(self.pid, timeout_s)
+            stop_router(self.pid, timeout_s, self.port)
         if self._process is not None:
             try:
                 self._process.wait(timeout=1)  # reap it: no zombie left behind
@@ -171,86 +183,121 @@ class Router:
 
     def close(self) -> None:
         self._client.close()
+        self._admin.close()
 
     # -------------------------------------------------------------- membership
 
     def backends(self) -> list[Backend]:
-        response = self._admin("GET", "/workers")
-        return backends_from_json(response.json())
+        return backends_from_json(self._admin_call("GET", "/backends").json())
 
-    def add(self, url: str, timeout_s: float = 30.0) -> None:
-        """Add a backend and wait until the router routes to it. Call it only for an engine that already
-        answered a real completion (readiness.completion_probe): the router checks /health alone."""
-        url = url.rstrip("/")
-        if any(b.url == url for b in self.backends()):
-            return
-        if not health_ok(url):  # else vllm-router would hold the call for its whole startup timeout (30 s)
+    def set_backends(self, specs: Iterable[BackendSpec]) -> None:
+        """The whole desired set at once (the controller's list, with each one's capacity and state)."""
+        with self._lock:
+            self._desired = {spec.url: spec for spec in specs}
+            self._put()
+
+    def add(self, url: str, capacity: int | None = None) -> None:
+        """Add a backend (or change its capacity). Call it only for an engine that already answered a real
+        completion (engine.client.completion_probe); it must answer /health now."""
+        if self.apply(add=[url], capacities={url: capacity} if capacity else None):
             raise RouterError(f"{url} does not answer /health: not added to the router")
-        # vllm-router answers once the backend passed its /health (or refuses after its startup timeout)
-        self._admin("POST", "/add_worker", params={"url": url}, timeout=timeout_s + 5)
-        self._wait(lambda: any(b.url == url and b.healthy for b in self.backends()), timeout_s,
-                   f"the router did not take {url} within {timeout_s:.0f} s (see {self.log_path})")
+
+    def apply(self, add: Iterable[str] = (), remove: Iterable[str] = (), capacities: dict[str, int] | None = None) -> set[str]:
+        """One round's membership changes as one update of the data plane. Adds must answer /health (asked
+        at once); returns those that did not (not added). Removes take effect at once; no drain wait (the
+        controller drains itself, or calls remove)."""
+        adds, removes, capacities = _urls(add), set(_urls(remove)), {k.rstrip("/"): v for k, v in (capacities or {}).items()}
+        with ThreadPoolExecutor(min(HEALTH_CHECKS_AT_ONCE, max(1, len(adds)))) as pool:
+            refused = {url for url, ok in zip(adds, pool.map(health_ok, adds)) if not ok}
+        with self._lock:
+            desired = {url: spec for url, spec in self._desired.items() if url not in removes}
+            for url in adds:
+                if url not in refused:
+                    known = desired.get(url)
+                    capacity = capacities.get(url) or (known.capacity if known else DEFAULT_MAX_NUM_SEQS)
+                    desired[url] = BackendSpec(url, capacity, known.saturated if known else False)
+            if desired != self._desired:
+                self._desired = desired
+                self._put()
+        return refused
 
     def remove(self, url: str, drain_s: float = 30.0) -> bool:
         """Take a backend out: no new requests go there at once; then wait up to drain_s for the requests
-        it still runs (its vLLM /metrics) to finish. True when it drained, False when drain_s ran out or
-        it no longer answers (a dead engine has nothing left to drain)."""
+        it still runs to finish (the data plane's own count, then the engine's /metrics). True when it
+        drained, False when drain_s ran out or it no longer answers (a dead engine has nothing left to
+        drain). drain_s=0: no wait and no engine call; True when nothing runs there through the endpoint."""
         url = url.rstrip("/")
-        self._admin("POST", "/remove_worker", params={"url": url})
-        self._wait(lambda: all(b.url != url for b in self.backends()), 10.0,
-                   f"the router did not remove {url} within 10 s (see {self.log_path})")
+        self.apply(remove=[url])
         deadline = time.monotonic() + drain_s
         while True:
-            load = self.engine_load(url)
-            if load is None or is_drained(load):
-                return load is not None
+            here = in_flight_to(self._admin_call("GET", "/backends").json(), url)
+            if drain_s <= 0:
+                return here == 0
+            if here == 0:
+                load = self.engine_load(url)
+                if load is None or is_drained(load):
+                    return load is not None
             if time.monotonic() > deadline:
                 return False
-            time.sleep(POLL_S)
+            time.sleep(POLL_S * 2)
+
+    def set_saturated(self, urls: Iterable[str]) -> None:
+        """The backends whose engine queues requests (or whose KV cache is full) now: the data plane skips
+        them while another has room. Sent only when something changed."""
+        saturated = set(_urls(urls))
+        with self._lock:
+            desired = {url: BackendSpec(url, spec.capacity, url in saturated) for url, spec in self._desired.items()}
+            if desired != self._desired:
+                self._desired = desired
+                self._put()
+
+    def desired(self) -> list[BackendSpec]:
+        with self._lock:
+            return list(self._desired.values())
 
     def engine_load(self, url: str, timeout_s: float = 2.0) -> EngineLoad | None:
         """An engine's load from its /metrics; None when it does not answer."""
         try:
-            response = self._client.get(f"{url.rstrip('/')}/metrics", headers=self._auth(), timeout=timeout_s)
+            response = self._client.get(f"{url.rstrip('/')}/metrics", headers=bearer(self._key), timeout=timeout_s)
             return engine_load(response.text) if response.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
             return None
 
+    def metrics(self) -> str:
+        """The data plane's own Prometheus metrics (requests by code, latency, in flight per backend, holds,
+        retries)."""
+        return self._admin_call("GET", "/metrics").text
+
     # -------------------------------------------------------------- helpers
 
-    def _auth(self) -> dict[str, str]:
-        return bearer(self._key)
+    def _put(self) -> None:
+        with self._lock:
+            body = {"backends": [spec.to_json() for spec in self._desired.values()]}
+            self._admin_call("PUT", "/backends", json=body)
 
-    def _admin(self, method: str, path: str, **kwargs) -> httpx.Response:
+    def _admin_call(self, method: str, path: str, **kwargs) -> httpx.Response:
         try:
-            response = self._client.request(method, f"{self.url}{path}", headers=self._auth(), **kwargs)
+            response = self._admin.request(method, path, **kwargs)
         except httpx.HTTPError as exc:
-            raise RouterError(f"the router at {self.url} did not answer {method} {path}: {exc}") from exc
+            raise RouterError(f"the router's admin socket {self.admin_socket} did not answer {method} {path}: "
+                              f"{exc}") from exc
         if response.status_code >= 400:
             raise RouterError(f"the router refused {method} {path}: HTTP {response.status_code} {response.text[:200]}")
         return response
 
-    def _answers(self) -> bool:
+    def _answers(self, pid: int) -> bool:
+        """The process behind the admin socket is `pid` (not a stale one an earlier run left)."""
         try:
-            return self._client.get(f"{self.url}/liveness", headers=self._auth(), timeout=1.0).status_code == 200
-        except httpx.HTTPError:
+            return self._admin.get("/health", timeout=1.0).json().get("pid") == pid
+        except (httpx.HTTPError, ValueError):
             return False
-
-    @staticmethod
-    def _wait(condition, timeout_s: float, message: str) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not condition():
-            if time.monotonic() > deadline:
-                raise RouterError(message)
-            time.sleep(POLL_S)
 
 
 def stop_router(pid: int, timeout_s: float = 10.0, port: int | None = None) -> bool:
     """Stop a router by its recorded PID (another process may do it, e.g. `hpcserve down`): SIGTERM to
     its process group, SIGKILL after timeout_s. Does nothing when that PID is no router of ours (gone,
-    or reused by another program; given a port: not the router on that port). True when a router was
-    stopped."""
-    if not _is_router(pid, port):
+    reused by another program, or, given a port, another endpoint's router). True when a router was stopped."""
+    if not is_router(pid, port):
         return False
     for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
         try:
@@ -268,37 +315,36 @@ def stop_router(pid: int, timeout_s: float = 10.0, port: int | None = None) -> b
 
 
 def router_serving(pid: int | None, url: str, timeout_s: float = 2.0) -> bool:
-    """What `status` checks without the controller: the recorded PID is our router on the URL's port,
-    and it answers HTTP there (any answer: its key check may refuse a caller without the key)."""
-    port = httpx.URL(url).port
-    if pid is None or not _is_router(pid, port):
+    """What `status` checks without the controller: the recorded PID is our data plane on the URL's port,
+    and it answers HTTP there (any answer: its key check refuses a caller without the key)."""
+    if pid is None or not is_router(pid, httpx.URL(url).port):
         return False
     try:
-        httpx.get(f"{url.rstrip('/')}/liveness", timeout=timeout_s, trust_env=False)
+        httpx.get(f"{url.rstrip('/')}/health", timeout=timeout_s, trust_env=False)
         return True
     except httpx.HTTPError:
         return False
 
 
-def _is_router(pid: int, port: int | None = None) -> bool:
-    """The PID is one of our routers (and, given a port, the one on that port: another endpoint's router
-    on this host may have the PID a lost one had)."""
+def is_router(pid: int, port: int | None = None) -> bool:
+    """The PID is one of our data planes (its module on the command line, or its process title), and,
+    given a port, the one on that port (both name it: `--port P`)."""
     try:
         process = psutil.Process(pid)
         if process.status() == psutil.STATUS_ZOMBIE:
             return False
-        cmdline = " ".join(process.cmdline())
-        if not (LAUNCHER in cmdline or cmdline.startswith(PROCESS_TITLE)):
-            return False
-        # Its command line is its process title by now (setproctitle): the port is asked of its sockets.
-        return port is None or any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
-                                   for c in process.net_connections("tcp"))
+        words = " ".join(process.cmdline()).split()
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return False
+    ours = MODULE in words or (bool(words) and words[0] == PROCESS_TITLE)
+    if not ours or port is None:
+        return ours
+    return any(word == "--port" and index + 1 < len(words) and words[index + 1] == str(port)
+               for index, word in enumerate(words))
 
 
-
-
+def _urls(urls: Iterable[str]) -> list[str]:
+    return list(dict.fromkeys(url.rstrip("/") for url in urls))
 
 
 def _tail(path: Path, chars: int = 400) -> str:

@@ -7,7 +7,8 @@ noise would hide a 1 ms difference, and so that drain/retry behaviour can be che
 Each response names the backend that answered (`system_fingerprint`, header `x-backend`), and the
 backend counts what it served (GET /stub/stats), so tests can see where requests went. With --slots S
 it runs at most S requests at once and queues the rest, as an engine with `--max-num-seqs S` does: two
-stubs with different slots stand for replicas of different capacity.
+stubs with different slots stand for replicas of different capacity. The prompts __answer_400__ and
+__answer_500__ get a client error and an engine error.
 When HPCSERVE_STUB_API_KEY is set, requests without `Authorization: Bearer <key>` get 401, as vLLM does.
 """
 
@@ -24,6 +25,7 @@ from aiohttp import web
 STATS = web.AppKey("stats", dict)
 SLOTS = web.AppKey("slots", asyncio.Semaphore)
 BAD_PROMPT = "__answer_400__"
+FAILING_PROMPT = "__answer_500__"
 CONFIG = web.AppKey("config", dict)
 
 
@@ -58,6 +60,9 @@ async def _complete(request: web.Request) -> web.StreamResponse:
     stats["last_body"] = body  # what the router forwarded (it re-serialises typed requests)
     if body.get("prompt") == BAD_PROMPT:  # a client error, as vLLM answers a bad request
         return web.json_response({"error": {"message": "bad request", "code": 400}}, status=400)
+    if body.get("prompt") == FAILING_PROMPT:  # an engine error, as vLLM answers when generation fails
+        stats["failed"] += 1
+        return web.json_response({"error": {"message": "engine error", "code": 500}}, status=500)
     stats["requests"] += 1
     stats["waiting"] += 1
     async with request.app[SLOTS]:
@@ -118,12 +123,17 @@ async def _stats(request: web.Request) -> web.Response:
     return web.json_response(request.app[STATS])
 
 
+async def _name_every_response(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers.setdefault("x-backend", request.app[CONFIG]["name"])  # 404s and /v1/models too
+
+
 def make_app(name: str, token_delay_s: float = 0.0, tokens: int = 16, api_key: str | None = None,
              slots: int = 1_000_000) -> web.Application:
     app = web.Application()
     app[SLOTS] = asyncio.Semaphore(slots)
     app[CONFIG] = {"name": name, "token_delay_s": token_delay_s, "tokens": tokens, "api_key": api_key}
-    app[STATS] = {"requests": 0, "waiting": 0, "in_flight": 0, "done": 0, "last_body": None}
+    app.on_response_prepare.append(_name_every_response)
+    app[STATS] = {"requests": 0, "waiting": 0, "in_flight": 0, "done": 0, "failed": 0, "last_body": None}
     app.add_routes([web.post("/v1/completions", _complete), web.post("/v1/chat/completions", _complete),
                     web.get("/v1/models", _models), web.get("/health", _ok), web.get("/metrics", _metrics),
                     web.get("/stub/stats", _stats)])

@@ -1,8 +1,10 @@
-"""The router process: vllm-router's Rust data plane, started through its Python binding.
+"""vllm-router 0.1.17, hpcserve's data plane until 2026-12 (docs/benchmarks/router.md says why it was
+replaced), kept for the benchmarks that compare the two: started through its Python binding with the
+settings hpcserve ran it with, and driven as the endpoint drove it (VllmRouter).
 
-    python -m hpcserve.endpoint.router_main --api-key-file FILE --host H --port P --metrics-port M [...]
+    python benchmarks/vllm_router_launch.py --api-key-file FILE --host H --port P --metrics-port M [...]
 
-Why a launcher of our own instead of `vllm-router ...`:
+vllm-router is a dev dependency now (pip install -e .[dev]). Why the launcher was ours:
 - The key must never be on a command line (every user of a shared node can read process lists), and
   vllm-router's launcher takes secrets only as arguments. The binding takes the same settings from Python.
 - vllm-router checks client keys only through `api_key_validation_urls`: for each new bearer token it asks
@@ -18,19 +20,24 @@ from __future__ import annotations
 import argparse
 import hmac
 import os
-import stat
+import subprocess
 import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import httpx
+
+from hpcserve.core.keys import read_key_file
+from hpcserve.testing.harness import spawn, stop, wait_until
+
 VALIDATE_PATH = "/validate"
 PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")
 
 # vllm-router's policies that fit a pool of vLLM replicas. None of them reads vLLM's /metrics (they read
 # sglang's /get_load, which vLLM lacks, or the router's own in-flight counts); load from /metrics is the
-# control plane's business (router.backends_to_pause). Measured costs: docs/benchmarks/router.md.
+# control plane's business (then: endpoint.rotation). Measured costs: docs/benchmarks/router.md.
 POLICIES = {
     "round_robin": {},  # the cheapest; the default
     "power_of_two": {},  # two random backends, the one with fewer requests in flight through the router;
@@ -38,17 +45,6 @@ POLICIES = {
     "cache_aware": {},  # prefix-cache affinity, balanced by in-flight counts; costs ~3 ms a request here
     "random": {},
 }
-
-
-def read_key_file(path: Path) -> str:
-    """The API key from a file that only its owner may read. Raises ValueError with the reason."""
-    mode = path.stat().st_mode
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ValueError(f"{path} is readable by others (mode {oct(mode & 0o777)}); chmod 600 it")
-    key = path.read_text().strip()
-    if not key:
-        raise ValueError(f"{path} is empty")
-    return key
 
 
 def key_matches(authorization: str | None, key: str) -> bool:
@@ -147,10 +143,40 @@ def main(argv: list[str] | None = None) -> int:
     import setproctitle
     from vllm_router_rs import Router
 
-    setproctitle.setproctitle("hpcserve-router")
+    setproctitle.setproctitle("vllm-router-bench")  # never taken for hpcserve's data plane (router.is_router)
     validation_url = start_validator(api_key) if api_key else None
     Router(**router_kwargs(args, api_key, validation_url)).start()  # blocks until SIGTERM/SIGINT
     return 0
+
+
+class VllmRouter:
+    """vllm-router started by this file with fixed backends, stopped by its recorded process group."""
+
+    def __init__(self, port: int, api_key_file: Path | None, log: Path, policy: str = "round_robin",
+                 metrics_port: int = 0):
+        self.port, self.api_key_file, self.log, self.policy = port, api_key_file, log, policy
+        self.metrics_port = metrics_port or port + 1
+        self.proc: subprocess.Popen | None = None
+        self.key = read_key_file(api_key_file) if api_key_file else None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, backends: list[str]) -> None:
+        argv = [sys.executable, str(Path(__file__).resolve()), "--host", "127.0.0.1", "--port", str(self.port),
+                "--metrics-port", str(self.metrics_port), "--policy", self.policy]
+        argv += [arg for url in backends for arg in ("--backend", url)]
+        argv += ["--api-key-file", str(self.api_key_file)] if self.api_key_file else []
+        self.proc = spawn(argv, self.log)
+        auth = {"Authorization": f"Bearer {self.key}"} if self.key else {}
+        wait_until(lambda: httpx.get(f"{self.url}/liveness", headers=auth, timeout=1).status_code == 200, 60,
+                   f"vllm-router on {self.url} (log: {self.log})")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop(self.proc)
+            self.proc = None
 
 
 if __name__ == "__main__":

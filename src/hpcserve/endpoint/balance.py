@@ -1,0 +1,202 @@
+"""Which replica takes a request: the data plane's backend choice. No I/O; it runs for every request, so
+every step is a few list passes over the pool.
+
+    pool = Pool()
+    pool.update([BackendSpec("http://10.0.0.5:8001", capacity=256)])   # the controller's desired set
+    backend = choose(pool, Routing.LEAST_LOADED, key=None, now=time.monotonic())   # None: none eligible
+
+Policies (core.statuses.Routing):
+  least_loaded  requests in flight through the data plane divided by the backend's capacity (its engine's
+                --max-num-seqs), the smallest wins; ties go in turn, so an idle pool is used evenly.
+                Replicas of unequal size get traffic in proportion to what they run at once.
+  round_robin   each in turn.
+  prefix        bounded-load consistent hashing on a key from the request (a session header, else the
+                start of the prompt: wire.affinity_key): the same conversation or shared prompt meets its
+                KV cache again on the same replica. When that replica carries more than
+                (1 + PREFIX_EPSILON) x its share of what is in flight, least_loaded decides instead.
+Every policy skips a backend marked failed (a connection error, for a few seconds) and, while another
+has room, one the controller marked saturated (its engine queues requests or its KV cache is full).
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+from dataclasses import dataclass
+
+from hpcserve.core.statuses import Routing
+from hpcserve.engine.capacity import DEFAULT_MAX_NUM_SEQS
+
+# A preferred backend may carry up to 1.25 x its share before prefix affinity yields to balance: the
+# bound of consistent hashing with bounded loads (Mirrokni et al. 2018), where 0.25 keeps most requests
+# on their preferred replica while no replica gets more than 1.25 x the mean.
+PREFIX_EPSILON = 0.25
+VIRTUAL_NODES = 64  # points per backend on the hash ring: shares within a few percent of equal
+MAX_CAPACITY = 1 << 20
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """One backend as the controller wants it: where, how many requests its engine runs at once, and
+    whether its engine is saturated (queueing) now."""
+
+    url: str
+    capacity: int = DEFAULT_MAX_NUM_SEQS
+    saturated: bool = False
+
+    @classmethod
+    def from_json(cls, data: object) -> BackendSpec:
+        """From the admin API's JSON. Raises ValueError naming what is wrong."""
+        if not isinstance(data, dict) or not isinstance(data.get("url"), str):
+            raise ValueError(f"a backend is an object with a 'url' string, not {str(data)[:80]}")
+        url = data["url"].rstrip("/")
+        if not url.startswith(("http://", "https://")) or "\n" in url or " " in url:
+            raise ValueError(f"backend url {url[:80]!r} is not an http(s) URL")
+        capacity = data.get("capacity", DEFAULT_MAX_NUM_SEQS)
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or not 0 < capacity <= MAX_CAPACITY:
+            raise ValueError(f"capacity of {url} must be a whole number from 1 to {MAX_CAPACITY}, not {capacity!r}")
+        saturated = data.get("saturated", False)
+        if not isinstance(saturated, bool):
+            raise ValueError(f"saturated of {url} must be true or false, not {saturated!r}")
+        return cls(url, capacity, saturated)
+
+    def to_json(self) -> dict:
+        return {"url": self.url, "capacity": self.capacity, "saturated": self.saturated}
+
+
+@dataclass(slots=True, eq=False)
+class Backend:
+    """A backend in the data plane: the controller's settings and what the data plane counts."""
+
+    url: str
+    capacity: int
+    saturated: bool = False
+    in_flight: int = 0  # requests sent there whose response has not ended
+    failed_until: float = 0.0  # monotonic time; skipped until then after a connection error
+    requests: int = 0  # requests sent there since it joined
+    failures: int = 0  # connection errors
+
+    def load(self) -> float:
+        return self.in_flight / self.capacity
+
+
+class Ring:
+    """Consistent hashing: VIRTUAL_NODES points per backend on a 64-bit circle. A key belongs to the
+    first point at or after its own; adding or removing a backend moves only the keys of its points."""
+
+    def __init__(self, backends: list[Backend]):
+        points = sorted((point(f"{b.url}#{i}".encode()), n) for n, b in enumerate(backends)
+                        for i in range(VIRTUAL_NODES))
+        self.points = [p for p, _ in points]
+        self.owners = [backends[n] for _, n in points]
+
+    def owner(self, key: bytes, candidates: list[Backend]) -> Backend | None:
+        """The key's backend among candidates: walking the circle from the key's point, the first point
+        whose backend is a candidate (a failed or saturated backend's keys go to their next neighbour)."""
+        if not self.points:
+            return None
+        allowed = {id(b) for b in candidates}
+        start = bisect.bisect_left(self.points, point(key))
+        size = len(self.points)
+        for step in range(size):
+            backend = self.owners[(start + step) % size]
+            if id(backend) in allowed:
+                return backend
+        return None
+
+
+def point(data: bytes) -> int:
+    """A stable 64-bit hash (the same in every process, unlike hash()): a restarted data plane sends a
+    session to the same replica as before."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+class Pool:
+    """The backends: active ones in the controller's order, and retired ones (removed while requests
+    still ran there) until those requests end, so /backends can say when a removed backend drained."""
+
+    def __init__(self) -> None:
+        self.active: list[Backend] = []
+        self.by_url: dict[str, Backend] = {}
+        self.retired: dict[str, Backend] = {}
+        self.ring = Ring([])
+        self.turn = 0  # advances with every choice: ties and round_robin go in turn
+
+    def update(self, specs: list[BackendSpec]) -> bool:
+        """Make the active set exactly `specs` (idempotent). Counters of backends that stay are kept; a
+        removed backend with requests in flight is retired until they end. True when membership changed."""
+        wanted = {spec.url: spec for spec in specs}
+        if len(wanted) != len(specs):
+            raise ValueError("a backend url appears twice")
+        for url in [url for url in self.by_url if url not in wanted]:
+            gone = self.by_url.pop(url)
+            if gone.in_flight > 0:
+                self.retired[url] = gone
+        active = []
+        for spec in specs:
+            backend = self.by_url.get(spec.url) or self.retired.pop(spec.url, None) or Backend(spec.url, spec.capacity)
+            backend.capacity, backend.saturated = spec.capacity, spec.saturated
+            self.by_url[spec.url] = backend
+            active.append(backend)
+        changed = [b.url for b in active] != [b.url for b in self.active]
+        self.active = active
+        if changed:
+            self.ring = Ring(active)
+        return changed
+
+    def release(self, backend: Backend) -> None:
+        """A request sent to backend ended."""
+        backend.in_flight -= 1
+        if backend.in_flight <= 0 and self.retired.get(backend.url) is backend:
+            del self.retired[backend.url]
+
+    def next_recovery(self, now: float) -> float | None:
+        """When the first failed backend may be tried again (monotonic time); None when none is failed."""
+        times = [b.failed_until for b in self.active if b.failed_until > now]
+        return min(times) if times else None
+
+
+def candidates(backends: list[Backend], now: float) -> list[Backend]:
+    """Those that may take a request now: not failed; and not saturated while another has room."""
+    alive = [b for b in backends if b.failed_until <= now]
+    roomy = [b for b in alive if not b.saturated]
+    return roomy or alive
+
+
+def least_loaded(backends: list[Backend], turn: int) -> Backend:
+    """The smallest in_flight / capacity; among equals, the first from position `turn` on."""
+    size = len(backends)
+    best, best_load = backends[turn % size], math.inf
+    for step in range(size):
+        backend = backends[(turn + step) % size]
+        load = backend.in_flight / backend.capacity
+        if load < best_load:
+            best, best_load = backend, load
+    return best
+
+
+def within_share(backend: Backend, backends: list[Backend], epsilon: float = PREFIX_EPSILON) -> bool:
+    """One more request on backend keeps it within (1 + epsilon) x its capacity's share of everything in
+    flight (counting the new one). Rounded up, so an idle pool always keeps affinity."""
+    total = sum(b.in_flight for b in backends) + 1
+    capacity = sum(b.capacity for b in backends)
+    return backend.in_flight + 1 <= math.ceil((1 + epsilon) * total * backend.capacity / capacity)
+
+
+def choose(pool: Pool, policy: Routing, key: bytes | None, now: float, tried: tuple[Backend, ...] = ()) -> Backend | None:
+    """The backend for the next request; None when none may take it now (the caller holds the request).
+    A retry names the backends it tried: another one is preferred while there is one."""
+    eligible = candidates(pool.active, now)
+    if tried:
+        eligible = [b for b in eligible if b not in tried] or eligible
+    if not eligible:
+        return None
+    pool.turn += 1
+    if policy is Routing.ROUND_ROBIN:
+        return eligible[pool.turn % len(eligible)]
+    if policy is Routing.PREFIX and key is not None:
+        preferred = pool.ring.owner(key, eligible)
+        if preferred is not None and within_share(preferred, eligible):
+            return preferred
+    return least_loaded(eligible, pool.turn)

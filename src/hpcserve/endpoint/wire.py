@@ -1,0 +1,173 @@
+"""What the data plane says and decides on the wire, apart from choosing a backend (balance.py): its own
+error answers (OpenAI-style JSON), the client's key check, which headers pass, the affinity key of the
+prefix policy, and when a failed attempt is tried again or a request held. No I/O, no event loop.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from enum import Enum
+
+RETRY_AFTER_S = 5  # what a 503 tells clients to wait: about one controller round plus a join
+KEY_HEADERS = ("x-session-id", "x-user-id")  # what vLLM-router's consistent_hash reads, in this order
+AFFINITY_BYTES = 1536  # the prompt's first 1.5 KB: a shared system prompt or conversation start
+AFFINITY_FIELDS = (b'"messages"', b'"prompt"', b'"input"')  # chat, completions, embeddings
+
+# Hop-by-hop headers (RFC 9110 7.6.1) are about one connection, not the request; Host and Content-Length
+# are set again for the next hop; Expect is answered here (100 Continue), not passed on.
+HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
+                        "te", "trailer", "transfer-encoding", "upgrade"})
+NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length", "expect"}
+NOT_RETURNED = HOP_BY_HOP | {"content-length", "date", "server"}
+
+
+# ------------------------------------------------------------------ errors the data plane answers itself
+
+def error_body(message: str, kind: str, code: str) -> bytes:
+    """OpenAI's error shape: clients' SDKs read error.message and show it."""
+    return json.dumps({"error": {"message": message, "type": kind, "code": code}}).encode()
+
+
+UNAUTHORIZED = error_body(
+    "Missing or wrong API key for this hpcserve endpoint: send the header 'Authorization: Bearer KEY'. The key "
+    "is in the file api_key of the deployment's run folder when hpcserve generated it, or in the environment "
+    "variable that serve.api_key_env names; `hpcserve status NAME` shows which.",
+    "invalid_request_error", "invalid_api_key")
+
+
+def no_backend(hold_s: float) -> bytes:
+    waited = f"waited {hold_s:g} s, but " if hold_s > 0 else ""
+    return error_body(f"hpcserve endpoint: {waited}no model replica can take requests right now (none is in the "
+                      f"pool, as while one starts or is replaced, or none accepts connections). Retry after "
+                      f"{RETRY_AFTER_S} s.",
+                      "service_unavailable", "no_replica")
+
+
+def too_large(limit_bytes: int) -> bytes:
+    return error_body(f"hpcserve endpoint: the request body is larger than {limit_bytes // 2**20} MiB, the "
+                      "endpoint's limit.", "invalid_request_error", "request_too_large")
+
+
+def bad_request(reason: str) -> bytes:
+    return error_body(f"hpcserve endpoint: malformed HTTP request: {reason}", "invalid_request_error", "bad_request")
+
+
+def body_timeout(timeout_s: float) -> bytes:
+    return error_body(f"hpcserve endpoint: the request body did not arrive within {timeout_s:g} s.",
+                      "invalid_request_error", "request_timeout")
+
+
+def bad_gateway(detail: str) -> bytes:
+    return error_body(f"hpcserve endpoint: the model replica could not be reached ({detail}).",
+                      "service_unavailable", "replica_unreachable")
+
+
+def replica_timeout(timeout_s: float) -> bytes:
+    return error_body(f"hpcserve endpoint: the model replica sent nothing for {timeout_s:g} s.",
+                      "service_unavailable", "replica_timeout")
+
+
+def too_many_connections(limit: int) -> bytes:
+    """A whole HTTP response, written before the connection is closed: the request is never read."""
+    body = error_body(f"hpcserve endpoint: more than {limit} connections are open; retry shortly.",
+                      "service_unavailable", "too_many_connections")
+    head = (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            f"Retry-After: {RETRY_AFTER_S}\r\nConnection: close\r\n\r\n")
+    return head.encode() + body
+
+
+# ------------------------------------------------------------------ the key
+
+def expected_authorization(key: str | None) -> bytes | None:
+    return f"Bearer {key}".encode() if key else None
+
+
+def key_matches(authorization: str | None, expected: bytes | None) -> bool:
+    """`Authorization: Bearer <key>`, compared in constant time (a wrong key's timing says nothing about
+    the right one); every request is checked anew (no cache of tokens). No key set: open."""
+    if expected is None:
+        return True
+    if authorization is None:
+        return False
+    return hmac.compare_digest(authorization.strip().encode("utf-8", "surrogateescape"), expected)
+
+
+# ------------------------------------------------------------------ headers
+
+def forwarded_headers(headers: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """The client's headers the engine gets: all but hop-by-hop ones (the key included: the engines
+    check the same key). Repeated headers are joined, as RFC 9110 allows for list-valued fields."""
+    out: dict[str, str] = {}
+    for name, value in headers:
+        lower = name.lower()
+        if lower in NOT_FORWARDED:
+            continue
+        out[name] = f"{out[name]}, {value}" if name in out else value
+    return out
+
+
+def returned_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The engine's response headers the client gets (status, content type, x-request-id, ...)."""
+    return [(name, value) for name, value in headers if name.lower() not in NOT_RETURNED]
+
+
+# ------------------------------------------------------------------ affinity (the prefix policy)
+
+def affinity_key(headers: Mapping[str, str], body: bytes | None) -> bytes | None:
+    """What the prefix policy hashes: X-Session-ID or X-User-ID when the client names one, else the
+    first AFFINITY_BYTES of the request's messages, prompt or input as sent (a byte scan, no JSON parse:
+    the field may come anywhere in the object, and what follows it up to the limit is what replicas
+    cache). None when there is nothing to key on (least_loaded decides)."""
+    for name in KEY_HEADERS:
+        value = headers.get(name)
+        if value:
+            return b"h:" + value.encode("utf-8", "surrogateescape")
+    if not body:
+        return None
+    for field in AFFINITY_FIELDS:
+        start = body.find(field)
+        if start >= 0:
+            return body[start:start + AFFINITY_BYTES]
+    return None
+
+
+# ------------------------------------------------------------------ retries and holds
+
+class Failure(Enum):
+    """How an attempt to reach a backend failed before any response byte went to the client."""
+
+    CONNECT = "connect"  # refused, unreachable, connect timeout: the backend is down
+    DISCONNECT = "disconnect"  # the connection closed or reset under the request (also: a pooled
+    #                            keep-alive connection the engine had just closed)
+    TIMEOUT = "timeout"  # the engine accepted the request but sent nothing for read_timeout_s
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """What to do after a failed attempt."""
+
+    retry: bool  # send the request to a backend again
+    mark_failed: bool  # skip this backend for FAILED_S
+
+
+def after_failure(failure: Failure, tries: int, max_tries: int) -> Attempt:
+    """Before any response byte reached the client, a connection error is tried again (bounded); a
+    backend that refused a connection is skipped for a while, a dropped connection alone does not mark
+    it (an engine closing an idle keep-alive connection is no failure). An engine that accepted the
+    request and then said nothing for the read timeout is not tried again: it may still be working on
+    it, and the client has waited that long already. Once a response began, nothing is retried (the
+    data plane never calls this then)."""
+    if failure is Failure.TIMEOUT:
+        return Attempt(retry=False, mark_failed=False)
+    return Attempt(retry=tries < max_tries, mark_failed=failure is Failure.CONNECT)
+
+
+def hold_wait(now: float, deadline: float, recovery: float | None) -> float | None:
+    """While no backend is eligible: how long to wait for a change (a backend added, or a failed one's
+    pause over) before choosing again; None once the hold's deadline has passed (answer 503)."""
+    if now >= deadline:
+        return None
+    return min(deadline, recovery) - now if recovery is not None and recovery > now else deadline - now

@@ -1,0 +1,251 @@
+"""The data plane's decisions without a process: backend choice (balance), its wire rules (errors, key,
+headers, affinity key, retries and holds), the saturation marks the controller sends (rotation), and the
+capacity read from an engine's arguments."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+
+from hpcserve.core.keys import read_key_file
+from hpcserve.core.net import UNIX_PATH_MAX, unix_socket_path
+from hpcserve.core.statuses import Routing
+from hpcserve.endpoint import wire
+from hpcserve.endpoint.balance import Backend, BackendSpec, Pool, choose, least_loaded, within_share
+from hpcserve.endpoint.rotation import Rotation, next_saturated, saturated_now
+from hpcserve.endpoint.router import backends_from_json, dataplane_argv, in_flight_to
+from hpcserve.engine.capacity import DEFAULT_MAX_NUM_SEQS, max_num_seqs
+from hpcserve.engine.metrics import EngineLoad
+
+
+def pool_of(*specs: BackendSpec) -> Pool:
+    pool = Pool()
+    pool.update(list(specs))
+    return pool
+
+
+def send(pool: Pool, policy: Routing, key: bytes | None = None, now: float = 0.0) -> Backend:
+    """A request that stays in flight."""
+    backend = choose(pool, policy, key, now)
+    backend.in_flight += 1
+    return backend
+
+
+# ---------------------------------------------------------------- choice
+
+def test_least_loaded_follows_capacity():
+    pool = pool_of(BackendSpec("http://big", 8), BackendSpec("http://small", 1))
+    chosen = Counter(send(pool, Routing.LEAST_LOADED).url for _ in range(9))
+    assert chosen == {"http://big": 8, "http://small": 1}
+
+
+def test_an_idle_pool_is_used_in_turn():
+    pool = pool_of(BackendSpec("http://a"), BackendSpec("http://b"))
+    assert {choose(pool, Routing.LEAST_LOADED, None, 0.0).url for _ in range(4)} == {"http://a", "http://b"}
+    assert [choose(pool, Routing.ROUND_ROBIN, None, 0.0).url for _ in range(4)] in (
+        ["http://a", "http://b"] * 2, ["http://b", "http://a"] * 2)
+
+
+def test_saturated_backends_are_skipped_while_another_has_room():
+    pool = pool_of(BackendSpec("http://a", saturated=True), BackendSpec("http://b"))
+    assert {send(pool, policy).url for policy in Routing for _ in range(5)} == {"http://b"}
+    pool = pool_of(BackendSpec("http://a", saturated=True), BackendSpec("http://b", saturated=True))
+    assert {choose(pool, Routing.LEAST_LOADED, None, 0.0).url for _ in range(4)} == {"http://a", "http://b"}
+
+
+def test_failed_backends_are_skipped_until_their_pause_ends():
+    pool = pool_of(BackendSpec("http://a"), BackendSpec("http://b"))
+    pool.by_url["http://a"].failed_until = 10.0
+    assert {choose(pool, Routing.ROUND_ROBIN, None, 5.0).url for _ in range(4)} == {"http://b"}
+    pool.by_url["http://b"].failed_until = 8.0
+    assert choose(pool, Routing.LEAST_LOADED, None, 5.0) is None  # none eligible: the caller holds
+    assert pool.next_recovery(5.0) == 8.0
+    assert choose(pool, Routing.LEAST_LOADED, None, 9.0).url == "http://b"
+
+
+def test_a_retry_prefers_a_backend_it_has_not_tried():
+    pool = pool_of(BackendSpec("http://a"), BackendSpec("http://b"))
+    a = pool.by_url["http://a"]
+    assert {choose(pool, Routing.LEAST_LOADED, None, 0.0, (a,)).url for _ in range(4)} == {"http://b"}
+    assert choose(pool, Routing.LEAST_LOADED, None, 0.0, tuple(pool.active)) is not None  # all tried: any
+
+
+def test_update_keeps_counters_and_retires_removed_backends_until_their_requests_end():
+    pool = pool_of(BackendSpec("http://a"), BackendSpec("http://b"))
+    a = send(pool, Routing.ROUND_ROBIN)
+    assert pool.update([BackendSpec(url) for url in ("http://a", "http://b") if url != a.url]) is True
+    assert pool.retired == {a.url: a} and a not in pool.active
+    pool.release(a)
+    assert pool.retired == {}
+    assert pool.update([BackendSpec(b.url, 4) for b in pool.active]) is False  # settings only
+    assert pool.active[0].capacity == 4
+    with pytest.raises(ValueError, match="twice"):
+        pool.update([BackendSpec("http://a"), BackendSpec("http://a")])
+
+
+def test_prefix_keeps_a_key_on_one_backend_until_it_carries_more_than_its_share():
+    pool = pool_of(*(BackendSpec(f"http://r{i}") for i in range(4)))
+    first = choose(pool, Routing.PREFIX, b"session-1", 0.0)
+    assert all(choose(pool, Routing.PREFIX, b"session-1", 0.0) is first for _ in range(20))
+    homes = {choose(pool, Routing.PREFIX, f"session-{i}".encode(), 0.0).url for i in range(40)}
+    assert len(homes) == 4  # keys spread over the ring
+    # concurrent requests of one key: affinity while the preferred one stays within 1.25 x its share
+    chosen = [send(pool, Routing.PREFIX, b"session-1") for _ in range(8)]
+    assert chosen[0] is first and len({b.url for b in chosen}) == 4
+    assert max(b.in_flight for b in pool.active) <= 3  # ceil(1.25 x 8 / 4)
+
+
+def test_prefix_moves_only_the_keys_of_a_removed_backend():
+    pool = pool_of(*(BackendSpec(f"http://r{i}") for i in range(4)))
+    keys = [f"k{i}".encode() for i in range(200)]
+    before = {k: choose(pool, Routing.PREFIX, k, 0.0).url for k in keys}
+    pool.update([BackendSpec(f"http://r{i}") for i in range(3)])
+    after = {k: choose(pool, Routing.PREFIX, k, 0.0).url for k in keys}
+    assert all(after[k] == before[k] for k in keys if before[k] != "http://r3")
+
+
+def test_within_share_and_least_loaded_ties():
+    a, b = Backend("http://a", 1), Backend("http://b", 1)
+    assert within_share(a, [a, b])  # an idle pool keeps affinity
+    a.in_flight = 2
+    assert not within_share(a, [a, b])  # 3 of 3 on a: more than 1.25 x its half
+    b.in_flight = 2
+    assert least_loaded([a, b], 0) is a and least_loaded([a, b], 1) is b
+
+
+def test_backend_spec_from_json_names_what_is_wrong():
+    assert BackendSpec.from_json({"url": "http://h:1/", "capacity": 8}) == BackendSpec("http://h:1", 8, False)
+    for bad, words in (({"url": "ftp://h"}, "not an http"), ({"url": "http://h", "capacity": 0}, "capacity"),
+                       ({"url": "http://h", "capacity": True}, "capacity"), ("x", "object"),
+                       ({"url": "http://h", "saturated": "yes"}, "saturated")):
+        with pytest.raises(ValueError, match=words):
+            BackendSpec.from_json(bad)
+
+
+# ---------------------------------------------------------------- wire rules
+
+def test_the_401_body_is_openai_json_that_says_where_the_key_is():
+    error = json.loads(wire.UNAUTHORIZED)["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "invalid_api_key"
+    for words in ("hpcserve", "Authorization: Bearer", "api_key", "serve.api_key_env", "hpcserve status NAME"):
+        assert words in error["message"]
+    for body in (wire.no_backend(60), wire.too_large(2**20), wire.bad_request("x"), wire.bad_gateway("x")):
+        assert set(json.loads(body)["error"]) == {"message", "type", "code"}
+    raw = wire.too_many_connections(8)
+    assert raw.startswith(b"HTTP/1.1 503 ") and b"Retry-After: 5\r\n" in raw and raw.endswith(b"}}")
+
+
+def test_key_matches_only_the_exact_bearer_token():
+    expected = wire.expected_authorization("k1")
+    assert wire.key_matches("Bearer k1", expected) and wire.key_matches(" Bearer k1 ", expected)
+    for wrong in (None, "", "Bearer k2", "Bearer k1x", "bearer k1", "k1", "Bearer \udcff"):
+        assert not wire.key_matches(wrong, expected)
+    assert wire.key_matches(None, wire.expected_authorization(None))  # no key: open
+
+
+def test_headers_drop_hop_by_hop_ones_and_keep_the_rest():
+    sent = wire.forwarded_headers([("Host", "x"), ("Authorization", "Bearer k"), ("Connection", "keep-alive"),
+                                   ("Content-Length", "3"), ("Expect", "100-continue"), ("X-Request-Id", "r1"),
+                                   ("Accept", "a"), ("Accept", "b")])
+    assert sent == {"Authorization": "Bearer k", "X-Request-Id": "r1", "Accept": "a, b"}
+    back = wire.returned_headers([("Content-Type", "text/event-stream"), ("Transfer-Encoding", "chunked"),
+                                  ("Server", "uvicorn"), ("x-request-id", "r1")])
+    assert back == [("Content-Type", "text/event-stream"), ("x-request-id", "r1")]
+
+
+def test_affinity_key_from_a_session_header_else_the_start_of_the_prompt():
+    assert wire.affinity_key({"x-session-id": "s1"}, b"{}") == b"h:s1"
+    long_system = "S" * 3000
+    one = json.dumps({"max_tokens": 5, "messages": [{"role": "system", "content": long_system},
+                                                    {"role": "user", "content": "one"}]}).encode()
+    two = json.dumps({"temperature": 0.3, "messages": [{"role": "system", "content": long_system},
+                                                       {"role": "user", "content": "two"}]}).encode()
+    assert wire.affinity_key({}, one) == wire.affinity_key({}, two)  # fields before it do not matter
+    assert len(wire.affinity_key({}, one)) == wire.AFFINITY_BYTES
+    assert wire.affinity_key({}, b'{"prompt": "abc"}').startswith(b'"prompt"')
+    assert wire.affinity_key({}, b'{"model": "m"}') is None and wire.affinity_key({}, None) is None
+
+
+def test_after_a_failure_connection_errors_are_retried_a_bounded_number_of_times():
+    assert wire.after_failure(wire.Failure.CONNECT, 1, 3) == wire.Attempt(retry=True, mark_failed=True)
+    assert wire.after_failure(wire.Failure.DISCONNECT, 1, 3) == wire.Attempt(retry=True, mark_failed=False)
+    assert wire.after_failure(wire.Failure.CONNECT, 3, 3).retry is False
+    assert wire.after_failure(wire.Failure.TIMEOUT, 1, 3) == wire.Attempt(retry=False, mark_failed=False)
+
+
+def test_hold_waits_for_a_change_or_a_recovery_until_its_deadline():
+    assert wire.hold_wait(0.0, 60.0, None) == 60.0
+    assert wire.hold_wait(0.0, 60.0, 5.0) == 5.0  # a failed backend's pause ends first: look again then
+    assert wire.hold_wait(0.0, 3.0, 5.0) == 3.0
+    assert wire.hold_wait(60.0, 60.0, None) is None  # past the bound: 503
+
+
+# ---------------------------------------------------------------- saturation marks (rotation)
+
+def test_saturated_backends_are_marked_and_come_back_with_hysteresis():
+    busy, idle, full = EngineLoad(4, 3, 0.5), EngineLoad(1, 0, 0.2), EngineLoad(2, 0, 0.97)
+    assert saturated_now({"a": busy, "b": idle, "c": full}, set()) == {"a", "c"}
+    assert saturated_now({"a": busy, "b": busy}, set()) == {"a", "b"}  # all: the data plane uses them all
+    assert saturated_now({"a": EngineLoad(3, 0, 0.9), "b": idle}, {"a"}) == {"a"}  # KV not yet below 85 %
+    assert saturated_now({"a": EngineLoad(3, 0, 0.5), "b": idle}, {"a"}) == set()
+    assert saturated_now({"a": None, "b": idle}, {"a"}) == {"a"}  # no figures: left as it is
+    busy_pool = next_saturated(["m0", "m1"], {"m1"}, {"m0": idle, "m1": busy}, {"m0"})
+    assert busy_pool == {"m0", "m1"}  # m0's probe failed: its mark stays
+    assert next_saturated(["m0"], {"m0"}, {"m0": idle}, {"m1"}) == set()  # m1 left the pool: forgotten
+
+
+class RecordingRouter:
+    def __init__(self):
+        self.sent: list[set[str]] = []
+
+    def set_saturated(self, urls) -> None:
+        self.sent.append(set(urls))
+
+
+def test_rotation_marks_instead_of_removing():
+    router = RecordingRouter()
+    rotation = Rotation(router)
+    rotation.update(["a", "b"], {"a", "b"}, {"a": EngineLoad(2, 5, 0.5), "b": EngineLoad(1, 0, 0.2)})
+    assert rotation.paused == {"a"} and router.sent == [{"a"}]
+
+
+# ---------------------------------------------------------------- capacity, sockets, keys, admin JSON
+
+def test_capacity_from_the_engine_arguments():
+    assert max_num_seqs([]) == DEFAULT_MAX_NUM_SEQS == 256
+    assert max_num_seqs(["--max-num-seqs", "8", "--dtype", "half"]) == 8
+    assert max_num_seqs(["--max-num-seqs", "8", "--max-num-seqs=1"]) == 1  # the last one wins, as in vLLM
+    assert max_num_seqs(["--max-num-seqs"]) == 256
+
+
+def test_admin_socket_path_falls_back_when_the_run_folder_is_too_deep(tmp_path):
+    short = tmp_path / "r" / "admin.sock"
+    assert unix_socket_path(short) == short
+    deep = tmp_path / ("d" * 120) / "admin.sock"
+    fallback = unix_socket_path(deep, uid=1234)
+    assert fallback == unix_socket_path(deep, uid=1234) and fallback.parent.name == "hpcserve-1234"
+    assert len(str(fallback)) <= UNIX_PATH_MAX
+
+
+def test_key_file_readable_by_others_is_refused(tmp_path):
+    path = tmp_path / "key"
+    path.write_text("k\n")
+    path.chmod(0o644)
+    with pytest.raises(ValueError, match="chmod 600"):
+        read_key_file(path)
+    path.chmod(0o600)
+    assert read_key_file(path) == "k"
+
+
+def test_admin_json_and_the_command_line(tmp_path):
+    data = {"backends": [{"url": "http://h:1", "capacity": 8, "saturated": True, "in_flight": 2, "failed": False},
+                         {"url": "http://h:2", "capacity": 1, "in_flight": 0, "failed": True}],
+            "retired": [{"url": "http://h:3", "in_flight": 1}]}
+    assert [(b.url, b.healthy, b.in_flight, b.capacity, b.saturated) for b in backends_from_json(data)] == [
+        ("http://h:1", True, 2, 8, True), ("http://h:2", False, 0, 1, False)]
+    assert in_flight_to(data, "http://h:3") == 1 and in_flight_to(data, "http://h:9") == 0
+    key = tmp_path / "key"
+    argv = dataplane_argv("127.0.0.1", 1, key, tmp_path / "s", Routing.PREFIX, 60)
+    assert "--key-file" in argv and argv[argv.index("--policy") + 1] == "prefix"
