@@ -73,27 +73,30 @@ def test_lead_adds_queue_startup_and_margin_and_handover_s_is_a_lower_bound():
 
 # ------------------------------------------------------------------ one handover at a time
 
-def test_two_jobs_ending_together_are_handed_over_one_lead_apart():
-    starts = handover_starts([Ending("a", 1000.0, 200.0), Ending("b", 1000.0, 200.0)])
-    assert sorted(starts.values()) == [600.0, 800.0]
-    later = handover_starts([Ending("a", 1000.0, 200.0), Ending("b", 1500.0, 200.0)])
+def test_two_jobs_ending_together_are_handed_over_one_after_the_other():
+    # lead 200 s, expected 120 s from launch to serving: the first goes 120 s before the second's lead
+    starts = handover_starts([Ending("a", 1000.0, 200.0, 120.0), Ending("b", 1000.0, 200.0, 120.0)])
+    assert starts == {"a": 680.0, "b": 800.0}
+    later = handover_starts([Ending("a", 1000.0, 200.0, 120.0), Ending("b", 1500.0, 200.0, 120.0)])
     assert later == {"a": 800.0, "b": 1300.0}  # far enough apart: each at its own lead
+    three = handover_starts([Ending(m, 1000.0, 200.0, 120.0) for m in "abc"])
+    assert sorted(three.values()) == [560.0, 680.0, 800.0]
 
 
 def test_the_first_handover_starts_early_and_the_second_waits_for_it():
-    endings = [Ending("a", 1000.0, 200.0), Ending("b", 1000.0, 200.0)]
-    assert handovers_due(endings, [], now=599.0) == []
-    first = handovers_due(endings, [], now=600.0)
-    assert [c.member for c in first] == ["a"] and first[0].left_s == 400 and "one at a time" in first[0].reason
-    # b's planned start has come, but a's successor still starts: b waits ...
-    assert handovers_due([endings[1]], ["a"], now=700.0) == []
+    endings = [Ending("a", 1000.0, 200.0, 120.0), Ending("b", 1000.0, 200.0, 120.0)]
+    assert handovers_due(endings, [], now=679.0) == []
+    first = handovers_due(endings, [], now=680.0)
+    assert [c.member for c in first] == ["a"] and first[0].left_s == 320 and "one at a time" in first[0].reason
+    # a's successor starts for longer than expected: b waits ...
+    assert handovers_due([endings[1]], ["a"], now=799.0) == []
     # ... until its own lead has come: a late handover does not cost b its replica
     overdue = handovers_due([endings[1]], ["a"], now=800.0)
     assert [c.member for c in overdue] == ["b"] and "still in handover" in overdue[0].reason
 
 
 def test_a_job_already_inside_its_lead_is_handed_over_at_once_with_its_true_time_left():
-    call, = handovers_due([Ending("m1", 1029.0, 378.0)], [], now=1000.0)
+    call, = handovers_due([Ending("m1", 1029.0, 378.0, 212.0)], [], now=1000.0)
     assert call.left_s == 29 and "ends in 29 s" in call.reason
 
 

@@ -202,17 +202,18 @@ class Ending:
 
     member: str
     ends: float  # epoch seconds (Slurm's EndTime)
-    lead_s: float
+    lead_s: float  # its successor is launched at the latest this long before it ends
+    span_s: float  # launch to serving, as expected (queue and startup, without the lead's margins)
 
 
 def handover_starts(endings: list[Ending]) -> dict[str, float]:
     """When each member's successor should be launched: its lead before its job ends, or earlier so that
-    the handovers follow one another, each given its lead (planned backwards from the last to end).
-    Jobs started together end together: two replicas are then handed over one lead apart."""
+    its handover is expected to be done when the next one starts (planned backwards from the last job to
+    end). Jobs started together end together: the first is then handed over one span before the other."""
     starts: dict[str, float] = {}
     following = math.inf
     for ending in sorted(endings, key=lambda e: (e.ends, e.member), reverse=True):
-        starts[ending.member] = min(ending.ends - ending.lead_s, following - ending.lead_s)
+        starts[ending.member] = min(ending.ends - ending.lead_s, following - ending.span_s)
         following = starts[ending.member]
     return starts
 

@@ -43,7 +43,7 @@ from hpcserve.slurm.states import JobState
 QUEUE_CHECK_EVERY_S = 60.0  # sbatch --test-only: slurmctld answers it like a submission, so at most this often
 QUEUE_CHECK_FAR_S = 600.0  # ... and this seldom while the next handover is more than two leads away
 JOB_CHECK_EVERY_S = 5.0  # a starting successor's job (sites rate-limit squeue)
-LATE_REPORT_STEP_S = 30.0  # a late successor is reported again when its projection moves this much
+LATE_REPORT_STEP_S = 60.0  # a late successor is reported again when its projection moves this much
 
 
 @dataclass
@@ -71,11 +71,13 @@ class Handover:
         self.job_checked: dict[str, float] = {}
         self.handing: set[str] = set()  # members handed over (or drained at their end) until a successor serves
         self.said: set[str] = set()  # one-time warnings already decided
+        self.leads: dict[int, Lead] = {}  # replica group -> its lead, this round
 
     def step(self, ctl: ControlPlane) -> None:
         if not self.on_slurm:
             return
         now = self.clock()
+        self.leads.clear()  # the facts of this round: startups measured so far, the queue as last asked
         self.take_over(ctl, now)
         self.follow(ctl, now)
         self.drain_at_end(ctl, now)
@@ -145,7 +147,7 @@ class Handover:
         if plan.projected is None or ends is None:
             return
         late = plan.projected - (ends - END_DRAIN_S)
-        moved = plan.reported is None or abs(plan.projected - plan.reported) >= LATE_REPORT_STEP_S
+        moved = plan.reported is None or plan.projected - plan.reported >= LATE_REPORT_STEP_S
         if late <= 0 or not moved:
             return
         plan.reported = plan.projected
@@ -181,7 +183,8 @@ class Handover:
         orphans = [m for m in ctl.members if m.name in self.handing and not m.successor
                    and m.status is not MemberStatus.SERVING]
         endings = self.endings(ctl, now)
-        in_handover = [m.name for m in ctl.members if (s := successor_of(ctl, m)) and s.status is MemberStatus.LAUNCHING]
+        in_handover = [m.name for m in ctl.members
+                       if (s := successor_of(ctl, m)) and s.status is MemberStatus.LAUNCHING]
         calls = [(ctl.member(c.member), c.reason, c.left_s) for c in handovers_due(endings, in_handover, now)]
         calls = [(m, "it stopped taking requests at its job's end without a successor", 0.0) for m in orphans] + calls
         if not calls:
@@ -210,15 +213,24 @@ class Handover:
             ends = slurm_epoch(member.end_time)
             if member.status is not MemberStatus.SERVING or member.successor or ends is None:
                 continue
-            out.append(Ending(member.name, ends, self.lead(ctl, member.group).seconds))
+            out.append(self.ending(ctl, member, ends))
         self.refresh_queue(ctl, out, now)
-        out = [Ending(e.member, e.ends, self.lead(ctl, ctl.member(e.member).group).seconds) for e in out]
+        out = [self.ending(ctl, ctl.member(e.member), e.ends) for e in out]
         for ending in out:
             self.check_walltime(ctl, ctl.member(ending.member).group)
         return out
 
+    def ending(self, ctl: ControlPlane, member: Member, ends: float) -> Ending:
+        lead = self.lead(ctl, member.group)
+        return Ending(member.name, ends, lead.seconds, lead.expected_s)
+
     # ------------------------------------------------------------ the facts
     def lead(self, ctl: ControlPlane, group: int) -> Lead:
+        if group not in self.leads:
+            self.leads[group] = self.planned_lead(ctl, group)
+        return self.leads[group]
+
+    def planned_lead(self, ctl: ControlPlane, group: int) -> Lead:
         startups = recent_startups(ctl.members, group) or recent_startups(ctl.members, None)
         startup = expected_startup(startups, Estimate(LOAD_BASE_S, "estimated: none measured"))
         queue = self.queue.get(group, Estimate(0.0, "not asked yet"))
@@ -236,6 +248,7 @@ class Handover:
                 continue
             self.queue_asked[member.group] = now
             will_run = ctl.expected_start(Layout(**member.layout), member.group)
+            self.leads.pop(member.group, None)
             self.queue[member.group] = queue_estimate(slurm_epoch(will_run.start) if will_run else None, now,
                                                       clock_text(now))
 
