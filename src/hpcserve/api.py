@@ -5,6 +5,8 @@
                     machine, which launches the replicas' drivers (Slurm jobs or local processes);
                     without, the driver itself (local: a detached process; slurm: a batch job)
     down(name)      stop it; nothing stays running on any node
+    adopt(name)     a new controller for an endpoint whose controller is gone: it adopts the router and
+                    replicas that still run (`up` of the same config does the same)
     status(name)    what is really running, checked now (process or job, endpoint health)
     logs(name)      the files of its run folder, by node and component
     endpoints(target)  the OpenAI endpoints of a deployment (or a URL), with its key
@@ -12,13 +14,14 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from hpcserve.core.config import DeploymentConfig, Layout, load_config
+from hpcserve.core.config import DeploymentConfig, Layout, config_differences, load_config
 from hpcserve.core.errors import (
     ConfigError,
     HpcserveError,
@@ -26,20 +29,27 @@ from hpcserve.core.errors import (
     StageError,
     UsageError,
 )
-from hpcserve.core.files import read_json
+from hpcserve.core.files import exclusive, read_json
 from hpcserve.core.keys import key_source, read_api_key
 from hpcserve.core.paths import RunPaths
 from hpcserve.core.registry import Record, forget, list_names, load_record, save_record
 from hpcserve.core.runstate import RunState, read_timeline
-from hpcserve.core.statuses import RunKind, RunStatus, Stage, StageEvent
+from hpcserve.core.statuses import MemberStatus, RunKind, RunStatus, Stage, StageEvent
 from hpcserve.core.timeline import stage_breakdown
 from hpcserve.deployment import preflight
-from hpcserve.deployment.driver import CHECK_ONLY_ENV
-from hpcserve.deployment.runs import expected_start, launch, run_of
+from hpcserve.deployment.runs import CHECK_ONLY_ENV, expected_start, launch, run_of
 from hpcserve.deployment.watch import StartWatch
 from hpcserve.endpoint.handover import last_run_startup
 from hpcserve.endpoint.members import Member, member_config, single_replica
-from hpcserve.endpoint.run import start_endpoint, stop_endpoint
+from hpcserve.endpoint.run import (
+    EndpointCheck,
+    MemberCheck,
+    adopt_endpoint,
+    inspect_endpoint,
+    start_endpoint,
+    stop_endpoint,
+)
+from hpcserve.core.net import is_loopback, port_free
 from hpcserve.engine.client import Endpoint, health_ok
 from hpcserve.monitoring.metrics import Gatherer
 from hpcserve.planning.planner import check_config_layout
@@ -69,6 +79,7 @@ class UpResult:
     stages: dict = field(default_factory=dict)  # where the time went: timeline.stage_breakdown
     endpoint: str | None = None  # the router's URL, when there is one
     error: dict | None = None  # the failed stage, its diagnosis and the log to read
+    adopted: list[dict] | None = None  # adopting: the new controller's decisions (None: a fresh start)
 
 
 # ------------------------------------------------------------------ up
@@ -112,6 +123,11 @@ def handover_room(cfg: DeploymentConfig, model_path: str, layout: Layout | None)
 
 def up(config_path: str | Path | DeploymentConfig, on_event: Callable[[Event], None] | None = None,
        timeout_s: float | None = None) -> UpResult:
+    """Start the deployment; an endpoint of this name whose controller is gone while its router or
+    replicas run is adopted instead (no running replica restarted), if the config is the running one."""
+    cfg = config_path if isinstance(config_path, DeploymentConfig) else load_config(config_path)
+    if adoptable(cfg.name):
+        return adopt(cfg.name, cfg, on_event)
     cfg, _ = prepare(config_path)
     results = Path(cfg.results_dir).resolve()
     (results / "logs").mkdir(parents=True, exist_ok=True)
@@ -146,27 +162,36 @@ def check(config_path: str | Path, on_event: Callable[[Event], None] | None = No
     return result.run_dir, read_json(RunPaths(result.run_dir).health)
 
 
-def follow(record: Record, on_event: Callable[[Event], None] | None, timeout_s: float) -> UpResult:
-    """Report each stage as the driver writes it, until a final status or the deadline."""
-    watch = StartWatch(record, check_every_s=2.0)
+def follow(record: Record, on_event: Callable[[Event], None] | None, timeout_s: float,
+           seen_events: int = 0) -> UpResult:
+    """Report each stage as the driver writes it, until a final status or the deadline. seen_events:
+    timeline events already there (an adopted endpoint's), not reported again."""
+    watch = StartWatch(record, check_every_s=2.0, seen=seen_events)
     deadline = time.monotonic() + timeout_s
     report = on_event or (lambda event: None)
     while True:
         for item in watch.new_events():
             report(Event(item["stage"], item["event"], item.get("detail", ""), item["time"]))
         seen = watch.observe()
-        if seen.state.status.final:
+        fresh = written_by(record, seen.state)
+        if seen.state.status.final and fresh:
             return _result(record, seen.state)
         if seen.queue and seen.queue.startswith("PENDING"):  # users otherwise stare at nothing
             report(Event(Stage.QUEUE, StageEvent.WAITING, seen.queue, time.time()))
-        if seen.gone:
-            report(Event(Stage.DRIVER, StageEvent.FAILED, seen.gone, time.time()))
-            return UpResult(record.name, Path(record.run_dir), RunStatus.FAILED, reason=seen.gone)
+        gone = seen.gone if fresh else run_of(record).gone()  # the watch skips a run whose file looks final
+        if gone:
+            report(Event(Stage.DRIVER, StageEvent.FAILED, gone, time.time()))
+            return UpResult(record.name, Path(record.run_dir), RunStatus.FAILED, reason=gone)
         if time.monotonic() > deadline:
             where = f" (job {record.job_id}: {watch.queue})" if watch.queue else ""
             raise StageError(seen.state.stage or Stage.SUBMITTED, f"not ready after {timeout_s:.0f} s{where}",
                              str(run_of(record).log))
         time.sleep(FOLLOW_POLL_S)
+
+
+def written_by(record: Record, state: RunState) -> bool:
+    """state.json is this process's word, not what a predecessor in the same run folder wrote last."""
+    return not record.driver_pid or state.driver_pid in (None, record.driver_pid)
 
 
 def _result(record: Record, state: RunState) -> UpResult:
@@ -175,6 +200,92 @@ def _result(record: Record, state: RunState) -> UpResult:
                     key_source(record.run_dir),
                     stages=stage_breakdown(timeline, record.created, state.job_started),
                     endpoint=state.endpoint_url, error=state.error.to_dict() if state.error else None)
+
+
+# ------------------------------------------------------------------ adopt
+
+ADOPT_TIMEOUT_S = 600.0  # a real completion per replica, a router start: seconds; a loaded site: more
+
+
+def adoptable(name: str) -> bool:
+    """A registered endpoint of this name whose controller is gone while its router or replicas run."""
+    if name not in list_names():
+        return False
+    record = load_record(name)
+    return record.kind is RunKind.ENDPOINT and not is_running(record) and inspect_endpoint(record).survivors
+
+
+def adopt(name: str, config: str | Path | DeploymentConfig | None = None,
+          on_event: Callable[[Event], None] | None = None, timeout_s: float = ADOPT_TIMEOUT_S) -> UpResult:
+    """A new controller for endpoint `name` whose controller is gone: it adopts the router (or starts one
+    on the same port with the same key) and every member whose job runs and whose replicas answer a real
+    completion; lost members are replaced as usual. Every check that can refuse runs before anything
+    starts (UsageError, exit 2). With its controller running there is nothing to adopt (idempotent: a
+    crontab line can call it). With `config`, it must be the running one."""
+    paths = RunPaths(Path(load_record(name).run_dir))
+    with exclusive(paths.adopt_lock):
+        record = load_record(name)  # again, under the lock: another adopt may have started one meanwhile
+        state = RunState.read(record.run_dir)
+        if record.kind is RunKind.ENDPOINT and is_running(record):
+            return UpResult(name, paths.root, RunStatus.READY, state.replicas, endpoint=state.endpoint_url,
+                            reason=f"its controller runs ({run_of(record).runner_line()}): nothing to adopt",
+                            adopted=[])
+        running = check_adoptable(record, state, inspect_endpoint(record, state))
+        if config is not None:
+            check_same_config(running, config if isinstance(config, DeploymentConfig) else load_config(config),
+                              paths.config)
+        check_same_key(running, record.run_dir)
+        started, seen = time.time(), len(read_timeline(record.run_dir))  # the predecessor's events: not news
+        new = adopt_endpoint(record)
+        save_record(new)
+    # No cleanup if following fails: the new controller adopting is the repair, and one whose adoption
+    # fails leaves what ran as it was (endpoint/process.py).
+    result = follow(new, on_event, timeout_s, seen_events=seen)
+    result.adopted = [d.to_dict() for d in RunState.read(record.run_dir).decisions if d.time >= started]
+    return result
+
+
+def check_adoptable(record: Record, state: RunState, check: EndpointCheck) -> DeploymentConfig:
+    """Refuse what cannot be adopted, before anything starts; returns the running config."""
+    name = record.name
+    if record.kind is not RunKind.ENDPOINT:
+        raise UsageError(f"'{name}' has no endpoint (serve.router: false): there is no controller to adopt it; "
+                         f"`hpcserve status {name}` tells what runs")
+    if not check.survivors:
+        raise UsageError(f"nothing of '{name}' runs any more (no router, no member's job): nothing to adopt. "
+                         f"`hpcserve down {name}`, then `hpcserve up CONFIG`")
+    if not any(e["stage"] == Stage.READY for e in read_timeline(record.run_dir)):
+        raise UsageError(f"'{name}' lost its controller before it was ready: nothing served yet, so adopting "
+                         f"saves nothing. `hpcserve down {name}`, then `hpcserve up CONFIG`")
+    running = load_config(RunPaths(Path(record.run_dir)).config)
+    host = "127.0.0.1" if is_loopback(running.serve.host) else running.serve.host
+    if not check.router_serving and not port_free(running.serve.port, host):
+        raise UsageError(f"the router of '{name}' is gone and port {running.serve.port} is taken by another "
+                         "program: a new router cannot start there. Free the port, then adopt again")
+    return running
+
+
+def check_same_config(running: DeploymentConfig, given: DeploymentConfig, copy: Path) -> None:
+    """Adopting applies no change: a config that differs would leave members of two shapes behind one
+    endpoint, or a router on a port the config no longer names."""
+    differences = config_differences(running, given)
+    if differences:
+        raise UsageError(f"'{running.name}' runs with another config than the one given, and adopting changes "
+                         f"nothing that runs. Differences: {'; '.join(differences[:8])}. Adopt it as it runs "
+                         f"(`hpcserve adopt {running.name}`; its config: {copy}), or `hpcserve down "
+                         f"{running.name}` and `hpcserve up` the new config")
+
+
+def check_same_key(running: DeploymentConfig, run_dir: str) -> None:
+    """The running router and engines check the key in the run folder's key file; a different one in the
+    environment would lock clients (and the controller) out."""
+    variable = running.serve.api_key_env
+    given = os.environ.get(variable or "", "")
+    key_file = RunPaths(Path(run_dir)).router_key
+    if given and key_file.is_file() and given != key_file.read_text().strip():
+        raise UsageError(f"${variable} holds another key than the one the running endpoint checks: adopting "
+                         f"with it would lock clients out. Export the key it was started with, or unset "
+                         f"{variable} (the running key is read from the run folder)")
 
 
 # ------------------------------------------------------------------ down / stop
@@ -212,6 +323,7 @@ class DeploymentStatus:
     endpoint: str | None = None  # the router's URL (serve.router)
     members: list[dict] = field(default_factory=list)  # the deployments behind the router, one line each
     decisions: list[dict] = field(default_factory=list)  # the endpoint's last decisions, with reasons
+    advice: str | None = None  # what to run to put it right (an endpoint without its controller)
 
 
 def is_running(record: Record) -> bool:
@@ -226,6 +338,10 @@ def deployment_status(record: Record) -> DeploymentStatus:
     state = RunState.read(record.run_dir)
     run = run_of(record)
     gone = run.gone()
+    if gone and record.kind is RunKind.ENDPOINT:
+        check = inspect_endpoint(record, state)
+        if check.survivors:
+            return uncontrolled_status(record, state, check)
     current = state.status
     if gone and not current.ended:
         current = RunStatus.DEAD  # the file says otherwise, but nothing is running: say so
@@ -240,13 +356,39 @@ def deployment_status(record: Record) -> DeploymentStatus:
                             [d.to_dict() for d in state.decisions])
 
 
-def member_line(member: Member) -> dict:
-    """What status shows of a member: name, role, state, where it runs, its replicas."""
+def uncontrolled_status(record: Record, state: RunState, check: EndpointCheck) -> DeploymentStatus:
+    """An endpoint whose controller is gone while its router or replicas run: what the controller last
+    wrote no longer holds, so each part is shown as checked now (the router's PID and port, each member's
+    job and replicas), with the command that brings control back."""
+    answering = {url for m in check.members for url in m.answering}
+    router = (f"router pid {check.router_pid} serving on {state.endpoint_url}" if check.router_serving
+              else f"router gone (pid {check.router_pid}): nothing answers on {state.endpoint_url}")
+    checked = {m.member.name: m for m in check.members}
+    return DeploymentStatus(
+        record.name, record.scheduler, RunStatus.UNCONTROLLED, state.stage,
+        f"controller pid {record.driver_pid} gone (see endpoint.log); {router}",
+        record.run_dir, [{**rep, "healthy": rep["url"] in answering} for rep in state.replicas],
+        state.error.to_dict() if state.error else None, record.job_id,
+        stage_breakdown(read_timeline(record.run_dir), record.created, state.job_started), state.endpoint_url,
+        [member_line(Member.from_json(m), checked.get(m["name"])) for m in state.members],
+        [d.to_dict() for d in state.decisions],
+        advice=f"nothing probes, replaces or scales it now: `hpcserve adopt {record.name}` brings control back "
+               "(no running replica restarts)")
+
+
+def member_line(member: Member, checked: MemberCheck | None = None) -> dict:
+    """What status shows of a member: name, role, state, where it runs, its replicas. checked: its job and
+    replicas as they are now (the controller that wrote its state is gone)."""
     record = member.as_record()
-    return {"name": member.name, "role": member.role, "status": member.status, "group": member.group,
+    line = {"name": member.name, "role": member.role, "status": member.status, "group": member.group,
             "runner": f"job {record.job_id}" if record.job_id else f"pid {record.driver_pid}",
             "backends": member.backends, "ready_s": member.ready_s, "note": member.note,
             "run_dir": record.run_dir, "error": member.error}
+    if checked is not None:
+        status = MemberStatus.GONE if checked.gone else member.status
+        answer = f"{len(checked.answering)}/{len(member.backends)} replica(s) answer now" if member.backends else ""
+        line.update(status=status, runner=checked.runner, note=answer if not checked.gone else "")
+    return line
 
 
 # ------------------------------------------------------------------ logs
@@ -311,5 +453,5 @@ def endpoints(target: str, api_key: str | None = None) -> list[Endpoint]:
     return [Endpoint(r["url"], r.get("model"), key) for r in state.replicas]
 
 
-__all__ = ["up", "down", "status", "log_files", "prepare", "api_key_for", "endpoints", "load_record",
+__all__ = ["up", "adopt", "down", "status", "log_files", "prepare", "api_key_for", "endpoints", "load_record",
            "HpcserveError", "Event", "UpResult", "DeploymentStatus", "RunStatus"]

@@ -31,7 +31,7 @@ from hpcserve.engine.client import Endpoint
 INPUT_LEN, OUTPUT_LEN, CONCURRENCY, NUM_PROMPTS = 64, 32, 4, 120
 # Closed loop (fixed concurrency, no request rate): with Poisson arrivals the throughput of N requests is
 # set by the sampled arrival span (+-9% for N=120), and the two tools draw different samples.
-PAIRS = 5  # odd: the median is one pair, not an average of two
+PAIRS = 3  # odd: the median is one pair, not an average of two (each pair starts a `vllm bench` process: ~30 s)
 TOLERANCE = 0.05
 SERVER_READY_S = 180
 

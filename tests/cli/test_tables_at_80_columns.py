@@ -64,13 +64,15 @@ def test_plan_of_the_70b_example(concurrency):
 def test_status_keeps_urls_and_paths_whole():
     row = api.DeploymentStatus(
         name="sb-reps", scheduler="slurm", status=RunStatus.READY, stage="ready", runner="endpoint pid 4242",
-        run_dir=LONG_PATH, replicas=[{"index": i, "url": f"{LONG_URL}{i}", "healthy": i == 0} for i in range(2)],
+        run_dir=LONG_PATH, replicas=[{"index": i, "url": f"{LONG_URL}{i}", "healthy": i == 0, "compile_cache": "hit"}
+                                     for i in range(2)],
         error=None, endpoint="http://login-node-07.cluster.example-university.edu:8300",
         members=[{"name": "sb-reps-m0", "role": "initial", "status": "serving", "group": 0, "runner": "job 123456",
                   "backends": [], "ready_s": 81.0, "note": "", "run_dir": LONG_PATH, "error": None}],
         decisions=[{"time": 0.0, "action": "join", "reason": f"sb-reps-m0: {LONG_URL}0 in the pool after 81 s"}])
     lines = rendered(status_view([row]))
-    assert_narrow(lines, LONG_PATH, f"{LONG_URL}0", f"{LONG_URL}1", row.endpoint, row.decisions[0]["reason"])
+    assert_narrow(lines, LONG_PATH, f"{LONG_URL}0 healthy, compile cache hit", f"{LONG_URL}1", row.endpoint,
+                  row.decisions[0]["reason"])
     assert "\n".join(lines).count("healthy") == 1 and "DOWN" in "\n".join(lines)
 
 

@@ -27,7 +27,7 @@ from hpcserve.planning.planner import (
     plan_for_config,
     tp_efficiency,
 )
-from hpcserve.planning.report import explain, render_plan_table
+from hpcserve.planning.report import explain, plan_table, render_plan_table
 
 MODELS = Path(__file__).parents[1] / "data" / "models"
 DATA = Path(__file__).parent / "data"
@@ -283,8 +283,8 @@ def test_explain_says_when_kv_capacity_decides():
 
 def test_render_plan_table_has_every_candidate():
     p = plan(shape("qwen2.5-7b"), A100_1x8, max_model_len=8192)
-    table = render_plan_table(p)
-    assert isinstance(table, Table)
+    table, _ = plan_table(p)  # render_plan_table adds the notes below the table (80 columns)
+    assert isinstance(table, Table) and render_plan_table(p) is not None
     assert table.row_count == len(p.ranked) + len(p.rejected)
 
 

@@ -14,7 +14,7 @@ from hpcserve.core.errors import ConfigError
 from hpcserve.planning import throughput
 from hpcserve.planning.model_shape import ModelShape
 from hpcserve.planning.planner import evaluate, plan, plan_for_config
-from hpcserve.planning.report import explain, render_plan_table
+from hpcserve.planning.report import explain, plan_table
 
 MODELS = Path(__file__).parents[1] / "data" / "models"
 LLAMA_8B = ModelShape.from_config(json.loads((MODELS / "llama-3.1-8b.json").read_text()))
@@ -117,7 +117,7 @@ def test_plan_for_config_reads_serve_expected_concurrency_and_explains_it():
     assert "Load: 32 requests in flight in all (expected concurrency), 32.0 per replica" in text
     assert "At capacity (saturated) tensor 1 x pipeline 1 x replicas 2 would win" in text
     assert "with 16.0 in flight per replica its replicas reach 0.12 of their peak against 0.21" in text
-    assert render_plan_table(p).columns[8].header == "in flight/replica"
+    assert plan_table(p)[0].columns[8].header == "in flight"  # per replica: the legend below the table says so
 
 
 def test_autoscale_scores_replicas_at_a_full_batch():

@@ -77,7 +77,8 @@ def guarded(func):
 
 # ------------------------------------------------------------------ up / down
 
-STAGE_WAIT = {Stage.RAY: "starting Ray on every node", Stage.HEALTH: "running the health check",
+STAGE_WAIT = {Stage.ADOPT: "checking the router and every member's job and replicas",
+              Stage.RAY: "starting Ray on every node", Stage.HEALTH: "running the health check",
               Stage.ENGINE: "loading the model and waiting for a real completion", Stage.READY: "serving"}
 
 
@@ -90,19 +91,13 @@ def up(config: Path = ConfigArg,
 
     Returns while the deployment keeps running; stop it with `hpcserve down NAME`.
     """
-    t0 = time.monotonic()
     spinner = console.status("submitting", spinner="dots")
-
-    def show(event: api.Event) -> None:
-        mark = {StageEvent.STARTED: "[cyan]…[/]", StageEvent.DONE: "[green]✓[/]",
-                StageEvent.FAILED: "[red]✗[/]"}.get(event.event, "·")
-        detail = f" [dim]{event.detail}[/]" if event.detail else ""
-        console.print(f"{mark} {event.stage:<8} {event.event:<8} +{time.monotonic() - t0:5.1f}s{detail}", highlight=False)
-        if event.event == StageEvent.STARTED:
-            spinner.update(STAGE_WAIT.get(event.stage, event.stage))
-
     with spinner:
-        result = api.up(load_with_site(config, site) if site else config, on_event=show, timeout_s=timeout)
+        result = api.up(load_with_site(config, site) if site else config, on_event=stage_printer(spinner),
+                        timeout_s=timeout)
+    if result.adopted is not None:
+        adopted_report(result)
+        return
     if result.status is not RunStatus.READY:
         error = result.error or {}
         if error:
@@ -128,6 +123,53 @@ def up(config: Path = ConfigArg,
     console.print(f"  results folder: {result.run_dir}")
     if result.answer is not None:
         console.print(f"  answer to 'Hello, my name is': [bold]{result.answer!r}[/]")
+    console.print(f"  stop with: hpcserve down {result.name}")
+
+
+def stage_printer(spinner):
+    """Each stage event as one line, and the spinner saying what is being waited for."""
+    t0 = time.monotonic()
+
+    def show(event: api.Event) -> None:
+        mark = {StageEvent.STARTED: "[cyan]…[/]", StageEvent.DONE: "[green]✓[/]",
+                StageEvent.FAILED: "[red]✗[/]"}.get(event.event, "·")
+        detail = f" [dim]{event.detail}[/]" if event.detail else ""
+        console.print(f"{mark} {event.stage:<8} {event.event:<8} +{time.monotonic() - t0:5.1f}s{detail}", highlight=False)
+        if event.event == StageEvent.STARTED:
+            spinner.update(STAGE_WAIT.get(event.stage, event.stage))
+
+    return show
+
+
+@app.command()
+@guarded
+def adopt(name: str = NameArg):
+    """Bring control back to an endpoint whose controller is gone (login node rebooted, process killed).
+
+    A new controller adopts the router (or starts one on the same port, same key) and every replica whose
+    job runs and that answers a real completion; lost ones are replaced. No running replica restarts.
+    Nothing to do when its controller runs: safe to call from cron as a keep-alive.
+    """
+    spinner = console.status("adopting", spinner="dots")
+    with spinner:
+        result = api.adopt(name, on_event=stage_printer(spinner))
+    adopted_report(result)
+
+
+def adopted_report(result: api.UpResult) -> None:
+    if result.reason and result.status is RunStatus.READY:  # its controller runs
+        console.print(f"{result.name}: {result.reason}", highlight=False)
+        return
+    for d in result.adopted or []:
+        console.print(f"  {d['action']}: {d['reason']}", highlight=False)
+    if result.status is not RunStatus.READY:
+        error = result.error or {}
+        err.print(f"[bold red]adoption failed[/]: {error.get('diagnosis') or result.reason}", highlight=False)
+        err.print(f"what ran before runs on as it was; see `hpcserve status {result.name}` and "
+                  f"{error.get('log') or result.run_dir}")
+        raise typer.Exit(1)
+    console.print(f"[bold green]adopted[/]: {result.name} is under control again; endpoint {result.endpoint}/v1",
+                  highlight=False)
     console.print(f"  stop with: hpcserve down {result.name}")
 
 
@@ -187,9 +229,13 @@ def status_view(rows: list[api.DeploymentStatus]) -> Group:
 
 def deployment_lines(r: api.DeploymentStatus) -> list[str]:
     lines = [f"{r.name}: {r.runner}"]
+    if r.advice:
+        lines.append(f"  {r.advice}")
     if r.endpoint:
         lines.append(f"  endpoint {r.endpoint}/v1")
-    lines += [f"  replica {x['index']}: {x['url']} {'healthy' if x['healthy'] else 'DOWN'}" for x in r.replicas]
+    lines += [f"  replica {x['index']}: {x['url']} {'healthy' if x['healthy'] else 'DOWN'}"
+              + (f", compile cache {x['compile_cache']}" if x.get("compile_cache", "none") != "none" else "")
+              for x in r.replicas]
     for m in r.members:
         ready = f", ready after {m['ready_s']:.0f} s" if m.get("ready_s") else ""
         note = f" ({m['note']})" if m.get("note") else ""
@@ -210,7 +256,7 @@ def cfg_model(result: api.UpResult) -> str:
 
 def _colour(state: str) -> str:
     colour = {RunStatus.READY: "green", RunStatus.FAILED: "red", RunStatus.DEAD: "red",
-              RunStatus.DEGRADED: "yellow"}.get(state, "cyan")
+              RunStatus.DEGRADED: "yellow", RunStatus.UNCONTROLLED: "yellow"}.get(state, "cyan")
     return f"[{colour}]{state}[/]"
 
 

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from hpcserve.core.errors import UsageError
-from hpcserve.core.files import write_secret
+from hpcserve.core.files import write_secret, write_text
 from hpcserve.core.paths import RunPaths
 
 
@@ -29,7 +29,7 @@ def store_key(run_dir: Path, variable: str | None, generated: str | None) -> Non
         source = str(paths.api_key)
     else:
         source = f"${variable}" if variable else "none"
-    paths.api_key_source.write_text(source + "\n")
+    write_text(paths.api_key_source, source + "\n")
 
 
 def read_api_key(run_dir: str | Path, environ: Mapping[str, str] = os.environ) -> str | None:

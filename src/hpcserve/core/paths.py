@@ -3,8 +3,16 @@ file name of its own."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
+
+
+def cache_root() -> Path:
+    """hpcserve's cache (the built tiny model, vLLM's compile caches): $HPCSERVE_CACHE, else the user's cache
+    folder. On a cluster the home folder is shared by every node: what one job caches, the next one finds."""
+    root = os.environ.get("HPCSERVE_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hpcserve"
+    return Path(root)
 
 
 @dataclass(frozen=True)
@@ -29,6 +37,11 @@ class RunPaths:
     def timeline(self) -> Path:
         """One timestamp per stage."""
         return self.root / "timeline.json"
+
+    @property
+    def adopt_lock(self) -> Path:
+        """Held while a new controller is checked for and started (`hpcserve adopt`): one at a time."""
+        return self.root / ".adopt.lock"
 
     # secrets (mode 0600)
     @property

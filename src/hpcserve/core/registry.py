@@ -31,6 +31,7 @@ class Record:
     config_path: str | None = None
     created: float = field(default_factory=time.time)
     kind: RunKind = RunKind.DRIVER
+    host: str | None = None  # where its process runs (a LocalRun): its PID means something only there
 
     def __post_init__(self) -> None:
         self.kind = RunKind(self.kind)

@@ -92,6 +92,7 @@ class RunState:
     replicas: list[dict] = field(default_factory=list)
     endpoint_url: str | None = None  # the router's URL (endpoint runs)
     router_pid: int | None = None
+    router_metrics_port: int | None = None
     members: list[dict] = field(default_factory=list)
     decisions: list[Decision] = field(default_factory=list)
     ready_answers: dict[str, str] = field(default_factory=dict)  # the real completion(s) `up` waited for
@@ -110,7 +111,7 @@ class RunState:
         return cls(status=RunStatus(data.get("status") or RunStatus.SUBMITTED), stage=data.get("stage"),
                    error=StageFailure.from_dict(data["error"]) if data.get("error") else None,
                    replicas=list(data.get("replicas") or []), endpoint_url=endpoint.get("url"),
-                   router_pid=endpoint.get("pid"), members=list(data.get("members") or []),
+                   router_pid=endpoint.get("pid"), router_metrics_port=endpoint.get("metrics_port"), members=list(data.get("members") or []),
                    decisions=[Decision(d["time"], d["action"], d["reason"]) for d in data.get("decisions") or []],
                    ready_answers=dict((data.get("ready_check") or {}).get("answers") or {}),
                    job_started=data.get("job_started"), driver_pid=data.get("driver_pid"),

@@ -19,6 +19,7 @@ class RunStatus(StrEnum):
     # What `status` says when what is alive now contradicts the file:
     DEAD = "dead"  # the file says running, but its process or job is gone
     DEGRADED = "degraded"  # ready, but a replica does not answer
+    UNCONTROLLED = "uncontrolled"  # an endpoint whose controller is gone while its router or replicas run
 
     @property
     def final(self) -> bool:
@@ -65,6 +66,17 @@ class MemberRole(StrEnum):
     SUCCESSOR = "successor"  # the walltime handover
 
 
+class Adoption(StrEnum):
+    """What a new endpoint controller does with a member its lost predecessor left behind."""
+
+    ADOPT = "adopt"  # its job runs and its replicas answered a real completion: serving on, untouched
+    WATCH = "watch"  # still starting (its job queued or loading): watched as a launch of ours
+    DROP = "drop"  # its job runs but a replica failed the completion: stopped, replaced as usual
+    LOST = "lost"  # its job or driver ended meanwhile: replaced as usual (self-healing)
+    FINISH = "finish"  # was being drained or stopped: that is finished now
+    KEEP = "keep"  # gone or failed before: history, nothing to do
+
+
 class Stage(StrEnum):
     """The stages of `up`, in timeline.json."""
 
@@ -74,6 +86,7 @@ class Stage(StrEnum):
     HEALTH = "health"
     ENGINE = "engine"
     ROUTER = "router"
+    ADOPT = "adopt"  # a new controller takes over what a lost one left running
     READY = "ready"
     STOPPED = "stopped"
     DRIVER = "driver"

@@ -32,7 +32,9 @@ from hpcserve.core.statuses import RunStatus, Stage
 from hpcserve.deployment.preflight import model_config_for, resolve_model_path
 from hpcserve.deployment.process import install_stop_handlers, process_main, run_to_end
 from hpcserve.deployment.replicas import ReplicaSet
+from hpcserve.deployment.runs import CHECK_ONLY_ENV
 from hpcserve.engine.client import READY_PROMPT
+from hpcserve.engine.load_format import choose, load_format_args
 from hpcserve.monitoring.sampler import start_samplers
 from hpcserve.planning.planner import layout_for
 from hpcserve.raycluster.cluster import ClusterPlan, RayCluster
@@ -41,7 +43,6 @@ from hpcserve.raycluster.launch import LocalLauncher, SrunLauncher
 from hpcserve.slurm.parse import expand_nodelist
 
 WATCH_INTERVAL_S = 2.0
-CHECK_ONLY_ENV = "HPCSERVE_CHECK_ONLY"  # `hpcserve check`: stop after the health stage
 
 
 def job_nodes(local: bool) -> list[str]:
@@ -125,10 +126,12 @@ def start_engines(cfg: DeploymentConfig, parts: Deployment, run_dir: Path, write
     """Start every replica's engines, watched by the samplers; returns while they load."""
     model_path = resolve_model_path(cfg)
     layout = layout_for(cfg, model_config_for(cfg, model_path))
-    writer.begin("engine", f"{layout.replicas} replica(s) of tensor {layout.tensor} x pipeline {layout.pipeline}")
+    loader = choose(cfg.engine.load_format, cfg.engine.args, cfg.on_gpu)
+    writer.begin("engine", f"{layout.replicas} replica(s) of tensor {layout.tensor} x pipeline {layout.pipeline}; "
+                 f"weights: {loader.reason}")
     api_key = os.environ.get(cfg.serve.api_key_env or "", "") or read_api_key(run_dir)
     replicas = ReplicaSet(cfg, layout, model_path, run_dir, api_key, parts.cluster.ports.engine_master,
-                          parts.cluster.gcs_address)
+                          parts.cluster.gcs_address, load_format_args(loader))
     parts.replicas = replicas  # torn down even if it fails half-way
     replicas.start()
     for proc in replicas.processes():

@@ -4,6 +4,7 @@ mp executor: one vLLM process per node of a replica (vLLM's multi-node multiproc
 replica spans nodes), each inside a placement-group bundle spread across nodes (STRICT_SPREAD).
 ray executor: one vLLM API process per replica on its first node; vLLM places its workers itself
 through its own placement group on our Ray cluster.
+uni executor (auto, for a replica of one worker): one vLLM process, placed like mp's.
 """
 
 from __future__ import annotations
@@ -17,6 +18,13 @@ from hpcserve.core.config import DeploymentConfig, Layout, slots_per_node
 from hpcserve.core.errors import StageError
 from hpcserve.engine.args import EngineRole, cpu_thread_binding, engine_argv
 from hpcserve.engine.client import completion_probe, health_ok
+from hpcserve.engine.compile_cache import (
+    CacheUse,
+    cache_env,
+    cache_folder,
+    cache_use,
+    vllm_version,
+)
 from hpcserve.engine.host import EngineHost
 from hpcserve.engine.logs import engine_error
 
@@ -55,16 +63,23 @@ class Replica:
     placement_seconds: float = 0.0
 
     def to_dict(self) -> dict:
-        """The replica as state.json lists it (url, nodes, processes with their logs)."""
+        """The replica as state.json lists it (url, nodes, processes with their logs, and whether its
+        engine loaded compiled graphs from the shared compile cache)."""
         return {"index": self.index, "url": self.url,
                 "nodes": [p.hostname for p in self.processes], "placement_s": round(self.placement_seconds, 3),
                 "processes": [{"rank": p.rank, "hostname": p.hostname, "address": p.address, "pid": p.pid,
-                               "log": str(p.log)} for p in self.processes]}
+                               "log": str(p.log)} for p in self.processes],
+                "compile_cache": self.compile_cache_use()}
+
+    def compile_cache_use(self) -> str:
+        """From rank 0's log; "none" before the engine compiled anything (or in eager mode)."""
+        log = self.processes[0].log if self.processes else None
+        return cache_use(log.read_text(errors="replace")) if log and log.is_file() else CacheUse.NONE
 
 
 class ReplicaSet:
     def __init__(self, cfg: DeploymentConfig, layout: Layout, model_path: str, run_dir: Path,
-                 api_key: str | None, master_port: int, gcs_address: str):
+                 api_key: str | None, master_port: int, gcs_address: str, load_args: list[str] | None = None):
         self.cfg = cfg
         self.layout = layout
         self.model_path = model_path
@@ -72,6 +87,7 @@ class ReplicaSet:
         self.api_key = api_key
         self.master_port = master_port
         self.gcs_address = gcs_address
+        self.load_args = load_args or []  # --load-format chosen for this node (engine.load_format)
         self.replicas: list[Replica] = []
 
     # ------------------------------------------------------------ start
@@ -86,7 +102,7 @@ class ReplicaSet:
 
 
         on_gpu = self.cfg.on_gpu
-        executor = self.cfg.executor
+        executor = self.cfg.executor_for(self.layout.workers_per_replica)
         if executor == "ray":
             # vLLM reserves the GPUs itself; our host only needs a place on some node.
             bundles = [{"CPU": 0.01}]
@@ -124,19 +140,21 @@ class ReplicaSet:
             proc = EngineProcess(shape.index, rank, actor, info["hostname"], info["address"], log)
             # Ray executor: the API process must see the node's GPUs like a plain `vllm serve` (Ray gave
             # this host none); vLLM's own Ray workers get theirs from vLLM's placement group.
-            proc.pid = ray.get(actor.start.remote(engine_argv(self.cfg, self.model_path, role),
+            proc.pid = ray.get(actor.start.remote(engine_argv(self.cfg, self.model_path, role, load_args=self.load_args),
                                                   self._engine_env(shape), str(log), executor == "ray"))
             replica.processes.append(proc)
         return replica
 
     def _engine_env(self, shape: ReplicaShape) -> dict[str, str]:
-        env = dict(self.cfg.engine.env)
+        # The compile cache first: engine.env may still name its own VLLM_CACHE_ROOT.
+        env = {**cache_env(cache_folder(self.cfg, self.model_path, self.layout, vllm_version())),
+               **self.cfg.engine.env}
         # vLLM 0.26's Ray executor picks its torch.distributed store port from a window above this one
         # (starting at port 100 when unset): replicas on one node must not share the window.
         env.setdefault("VLLM_DP_MASTER_PORT", str(self.master_port + 100 + 40 * shape.index))
         if self.api_key:
             env["VLLM_API_KEY"] = self.api_key
-        if self.cfg.executor == "ray":
+        if self.cfg.executor_for(self.layout.workers_per_replica) == "ray":
             env["RAY_ADDRESS"] = self.gcs_address
         if not self.cfg.on_gpu and "VLLM_CPU_OMP_THREADS_BIND" not in env:
             binding = cpu_thread_binding(shape.workers_per_node, sorted(os.sched_getaffinity(0)))

@@ -8,12 +8,15 @@
     expected_start(cfg)    when Slurm would start its job if submitted now (nothing is queued)
     run.gone()             why it can no longer make progress (process exited, job ended), else None
     run.stop()             orderly stop (SIGTERM: it stops what it started), then by recorded PID
+    LocalRun.restart(record, module)   a new process in the same run folder (an endpoint's controller
+                           adopting what its lost predecessor left running)
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -25,6 +28,7 @@ import yaml
 
 from hpcserve.core.config import DeploymentConfig
 from hpcserve.core.errors import HpcserveError, SlurmError
+from hpcserve.core.files import write_text
 from hpcserve.core.keys import new_key, store_key
 from hpcserve.core.osenv import environment_variables
 from hpcserve.core.paths import RunPaths
@@ -36,6 +40,7 @@ from hpcserve.slurm.render import render_batch_script
 from hpcserve.slurm.states import JobInfo, JobState
 
 DRIVER_MODULE = "hpcserve.deployment.driver"
+CHECK_ONLY_ENV = "HPCSERVE_CHECK_ONLY"  # `hpcserve check`: the driver stops after the health stage
 
 
 def launch(cfg: DeploymentConfig, results: Path, extra_env: dict[str, str] | None = None) -> Record:
@@ -92,26 +97,43 @@ class LocalRun:
               extra_env: dict[str, str]) -> LocalRun:
         tag = "endpoint" if kind is RunKind.ENDPOINT else "local"
         paths = RunPaths(new_run_dir(results, f"{cfg.name}-{tag}-{time.strftime('%Y%m%d-%H%M%S')}"))
-        paths.config.write_text(config_yaml(cfg))
+        write_text(paths.config, config_yaml(cfg))
         key_env, generated = api_key_env(cfg)
         store_key(paths.root, cfg.serve.api_key_env, generated)
-        log = paths.endpoint_log if kind is RunKind.ENDPOINT else paths.driver_log
-        with open(log, "ab") as out:
-            process = subprocess.Popen([sys.executable, "-m", module, str(paths.root)], stdout=out,
+        record = Record(name=cfg.name, scheduler=cfg.cluster.scheduler, run_dir=str(paths.root), kind=kind)
+        return cls(record).spawn(module, {**extra_env, **key_env})
+
+    @classmethod
+    def restart(cls, record: Record, module: str, extra_env: dict[str, str]) -> LocalRun:
+        """A new process of `module` in the record's run folder (its log appended to); the returned
+        record names the new process."""
+        return cls(Record.from_dict(record.to_dict())).spawn(module, extra_env)
+
+    def spawn(self, module: str, env: dict[str, str]) -> LocalRun:
+        """Start `python -m module RUN_DIR` detached (its own session: it outlives this command and its
+        terminal) and record its PID, start time and host."""
+        with open(self.log, "ab") as out:
+            process = subprocess.Popen([sys.executable, "-m", module, self.record.run_dir], stdout=out,
                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                                       env={**os.environ, **extra_env, **key_env})
-        return cls(Record(name=cfg.name, scheduler=cfg.cluster.scheduler, run_dir=str(paths.root),
-                          driver_pid=process.pid, driver_started=psutil.Process(process.pid).create_time(),
-                          kind=kind))
+                                       env={**os.environ, **env})
+        self.record.driver_pid, self.record.host = process.pid, socket.gethostname()
+        self.record.driver_started = psutil.Process(process.pid).create_time()
+        return self
 
     @property
     def log(self) -> Path:
         paths = RunPaths(Path(self.record.run_dir))
         return paths.endpoint_log if self.record.kind is RunKind.ENDPOINT else paths.driver_log
 
+    def elsewhere(self) -> str | None:
+        """The host it runs on when that is not this one (a cluster's other login node): its PID cannot be
+        checked from here."""
+        host = self.record.host
+        return host if host and host != socket.gethostname() else None
+
     def process(self) -> psutil.Process | None:
         """Our process, alive; None once it exited or its PID belongs to another program now."""
-        if not self.record.driver_pid:
+        if not self.record.driver_pid or self.elsewhere():
             return None
         try:
             proc = psutil.Process(self.record.driver_pid)
@@ -122,11 +144,16 @@ class LocalRun:
             return None
 
     def gone(self) -> str | None:
+        """None also when it runs on another host: it cannot be checked from here, and taking it for dead
+        would let a second controller start beside a live one."""
+        if self.elsewhere():
+            return None
         return None if self.process() else f"the {self.record.kind} process exited (see {self.log.name})"
 
     def runner_line(self) -> str:
         """What `status` says of the process."""
-        return f"{self.record.kind} pid {self.record.driver_pid}"
+        where = f" on {self.elsewhere()} (not checked from here: run `hpcserve status` there)" if self.elsewhere() else ""
+        return f"{self.record.kind} pid {self.record.driver_pid}{where}"
 
     def queue_line(self) -> str | None:
         return None

@@ -107,7 +107,11 @@ class Controller:
             self.leave(url, why)
             member.backends.remove(url)
             member.status, member.note, member.retired = MemberStatus.DRAINING, why, True
-        threading.Thread(target=self._stop_when_idle, args=(member, [url], why), daemon=True).start()
+        self.stop_when_idle(member, [url], why)
+
+    def stop_when_idle(self, member: Member, urls: list[str], why: str) -> None:
+        """In the background (also for a drain an adopted member was in when its controller was lost)."""
+        threading.Thread(target=self._stop_when_idle, args=(member, urls, why), daemon=True).start()
 
     def _stop_when_idle(self, member: Member, urls: list[str], why: str) -> None:
         deadline = time.monotonic() + DRAIN_TIMEOUT_S
@@ -292,7 +296,8 @@ class Controller:
         with self.lock:
             self.writer.update(replicas=pool_replicas(self.members, self.cfg.model.name),
                                paused=sorted(self.pool.rotation.paused),
-                               endpoint={"url": self.router.url, "pid": self.router.pid},
+                               endpoint={"url": self.router.url, "pid": self.router.pid,
+                                         "metrics_port": self.router.metrics_port},
                                members=[m.to_json() for m in self.members],
                                decisions=[d.to_dict() for d in self.decisions[-20:]])
 

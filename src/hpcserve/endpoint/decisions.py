@@ -3,6 +3,7 @@
 - health:   when a backend leaves the pool (failed probes) and when a joining one may take traffic
 - autoscale: when to add a replica (queue above target for a while) or drain one (idle for a while)
 - walltime: when a job must get its successor, so the endpoint outlives the job's time limit
+- adoption: what a new controller does with each member and backend a lost controller left running
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from hpcserve.core.config import AutoscaleSpec
-from hpcserve.core.statuses import MemberRole
+from hpcserve.core.statuses import Adoption, MemberRole, MemberStatus
 from hpcserve.planning.walltime import HANDOVER_MARGIN_S, HANDOVER_STARTUP_FACTOR, handover_lead_s
 
 # A backend whose probes failed this many times in a row leaves the pool. With a probe every second
@@ -267,3 +268,32 @@ def end_drain_due(ends: float, now: float) -> bool:
 def served_during(history: list[LoadSample], since: float) -> bool:
     """Did the endpoint serve requests since `since` (a member's start under load)?"""
     return any(sum(s.running.values()) + sum(s.waiting.values()) > 0 for s in history if s.time >= since)
+
+
+# ------------------------------------------------------------------ adoption
+
+def adopt_member(status: MemberStatus, gone: str | None, probe_error: str | None) -> tuple[Adoption, str]:
+    """What a new controller does with a member as its lost predecessor recorded it. gone: why its job or
+    driver can no longer serve (checked now), None while it runs; probe_error: why a real completion to
+    one of its replicas failed (asked only of serving members whose job runs), None when all answered.
+    No running replica is restarted: only one that fails a real completion is replaced."""
+    if status in (MemberStatus.GONE, MemberStatus.FAILED):
+        return Adoption.KEEP, ""
+    if status is MemberStatus.LAUNCHING:  # its start watch tells whether it joins or failed meanwhile
+        return Adoption.WATCH, "still starting: watched as before"
+    if gone:
+        if status is MemberStatus.SERVING:
+            return Adoption.LOST, f"lost while no controller ran: {gone}"
+        return Adoption.FINISH, f"was {status}; {gone}"
+    if status is MemberStatus.SERVING:
+        if probe_error:
+            return Adoption.DROP, f"its job runs, but a real completion failed: {probe_error}"
+        return Adoption.ADOPT, "its job runs and every replica answered a real completion"
+    return Adoption.FINISH, f"was {status}: finished now"
+
+
+def backend_changes(in_router: list[str], wanted: list[str]) -> tuple[list[str], list[str]]:
+    """(to remove, to add): while adopting, the controller owns the router's backend list, so a backend
+    it did not put there (or no longer wants) leaves, and every one it wants is there."""
+    have, want = {u.rstrip("/") for u in in_router}, {u.rstrip("/") for u in wanted}
+    return sorted(have - want), sorted(want - have)

@@ -7,6 +7,11 @@ It runs where `hpcserve up` ran (the login node, or this machine in local mode) 
     control   every second (endpoint/controller.py): probes, replacements, autoscale, walltime handover
 
 SIGTERM drains nothing: it stops the members and the router, and nothing stays running.
+
+Started in a run folder whose state.json lists members, it adopts them instead (its predecessor was lost
+with the login node or killed): endpoint/adopt.py. A run folder with members is never started afresh,
+so no second set of jobs can appear beside the running ones. An adoption that fails leaves what ran as
+it was (the data plane kept serving without a controller; it does so still).
 """
 
 from __future__ import annotations
@@ -17,14 +22,16 @@ import time
 import traceback
 from pathlib import Path
 
-from hpcserve.core.config import Layout, load_config
+from hpcserve.core.config import DeploymentConfig, Layout, load_config
 from hpcserve.core.files import write_secret
 from hpcserve.core.keys import read_api_key
 from hpcserve.core.paths import RunPaths
+from hpcserve.core.runstate import RunState
 from hpcserve.core.statuses import MemberRole, MemberStatus, RunStatus, Stage
 from hpcserve.deployment.preflight import resolved_layout
 from hpcserve.deployment.process import install_stop_handlers, process_main, run_to_end
 from hpcserve.deployment.runs import run_of
+from hpcserve.endpoint.adopt import adopt
 from hpcserve.endpoint.controller import MEMBER_STOP_TIMEOUT_S, TICK_S, Controller
 from hpcserve.endpoint.members import Member, group_layouts
 from hpcserve.endpoint.router import Router
@@ -46,6 +53,35 @@ def serve(ctl: Controller) -> None:
     ctl.ready = True
     writer.begin(Stage.READY)
     writer.update(status=RunStatus.READY, ready_check={"prompt": READY_PROMPT, "answers": {"endpoint": answer}})
+    control(ctl)
+
+
+def adopt_and_control(ctl: Controller, previous: RunState, adopted: threading.Event) -> None:
+    """Take over what the lost controller left running, then control it as if it had been ours."""
+    ctl.writer.begin(Stage.ADOPT, f"controller pid {os.getpid()} takes over {len(previous.members)} member(s) "
+                                  "and the router")
+    summary = adopt(ctl, previous)
+    ctl.ready = True
+    adopted.set()
+    ctl.writer.done(Stage.ADOPT, summary)
+    ctl.writer.begin(Stage.READY)
+    ctl.writer.update(status=RunStatus.READY)
+    ctl.save()
+    control(ctl)
+
+
+def leave_running(ctl: Controller) -> None:
+    """An adoption that failed (or was stopped) leaves what ran running; state.json gets what changed but
+    keeps the router PID it had unless this controller started a new router."""
+    if ctl.router.pid is not None:
+        ctl.save()
+    elif ctl.members:
+        with ctl.lock:
+            ctl.writer.update(members=[m.to_json() for m in ctl.members],
+                              decisions=[d.to_dict() for d in ctl.decisions[-20:]])
+
+
+def control(ctl: Controller) -> None:
     while True:
         ctl.tick()
         ctl.rotate_until(time.monotonic() + TICK_S)
@@ -71,15 +107,33 @@ def teardown(ctl: Controller) -> None:
     ctl.save()
 
 
+def endpoint_key(cfg: DeploymentConfig, paths: RunPaths, adopting: bool) -> str | None:
+    """The key clients send. Adopting: the one the running router and engines check (its file in the run
+    folder; `hpcserve adopt` refused a different one in the environment), so adoption needs no variable
+    set after a reboot."""
+    if adopting and paths.router_key.is_file():
+        return paths.router_key.read_text().strip() or None
+    return os.environ.get(cfg.serve.api_key_env or "", "") or read_api_key(paths.root)
+
+
 def run(run_dir: Path) -> int:
     paths = RunPaths(run_dir)
     cfg = load_config(paths.config)
-    api_key = os.environ.get(cfg.serve.api_key_env or "", "") or read_api_key(run_dir)
+    previous = RunState.read(run_dir)
+    adopting = bool(previous.members)
+    api_key = endpoint_key(cfg, paths, adopting)
     key_file = write_secret(paths.router_key, api_key) if api_key else None  # never on a command line
-    router = Router(cfg.serve.host, cfg.serve.port, key_file, paths.router_log, model=cfg.model.name)
+    router = Router(cfg.serve.host, cfg.serve.port, key_file, paths.router_log, model=cfg.model.name,
+                    metrics_port=previous.router_metrics_port if adopting else None)
     ctl = Controller(cfg, run_dir, router, api_key)
-    ctl.writer.update(driver_pid=os.getpid(), status=RunStatus.STARTING, job_started=time.time())
+    started = {} if adopting else {"job_started": time.time()}  # where up's time went stays up's
+    ctl.writer.update(driver_pid=os.getpid(), status=RunStatus.STARTING, **started)
     install_stop_handlers(ctl.request_stop)
+    if adopting:
+        adopted = threading.Event()
+        return run_to_end(ctl.writer, lambda: adopt_and_control(ctl, previous, adopted),
+                          lambda: teardown(ctl) if adopted.is_set() else leave_running(ctl), paths.endpoint_log,
+                          Stage.ADOPT)
 
     def body() -> None:
         router.start([])

@@ -133,6 +133,18 @@ class Router:
     def alive(self) -> bool:
         return self.pid is not None and _is_router(self.pid)
 
+    def adopt(self, pid: int | None) -> bool:
+        """Take over a router a lost controller started (same port, same key file): True when that PID is
+        still our router on this port and it answers. The process stays where it is (no restart)."""
+        if pid is None or not _is_router(pid, self.port):
+            return False
+        self._key = self.api_key_file.read_text().strip() if self.api_key_file else None
+        self.pid, self._process = pid, None
+        if self._answers():
+            return True
+        self.pid = None
+        return False
+
     def probe(self, timeout_s: float = 60.0) -> str:
         """A real completion through the router (needs `model`); its text. Raises httpx errors or
         RuntimeError, like readiness.completion_probe."""
@@ -233,11 +245,12 @@ class Router:
             time.sleep(POLL_S)
 
 
-def stop_router(pid: int, timeout_s: float = 10.0) -> bool:
+def stop_router(pid: int, timeout_s: float = 10.0, port: int | None = None) -> bool:
     """Stop a router by its recorded PID (another process may do it, e.g. `hpcserve down`): SIGTERM to
     its process group, SIGKILL after timeout_s. Does nothing when that PID is no router of ours (gone,
-    or reused by another program). True when a router was stopped."""
-    if not _is_router(pid):
+    or reused by another program; given a port: not the router on that port). True when a router was
+    stopped."""
+    if not _is_router(pid, port):
         return False
     for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
         try:
@@ -254,15 +267,34 @@ def stop_router(pid: int, timeout_s: float = 10.0) -> bool:
     return not psutil.pid_exists(pid)
 
 
-def _is_router(pid: int) -> bool:
+def router_serving(pid: int | None, url: str, timeout_s: float = 2.0) -> bool:
+    """What `status` checks without the controller: the recorded PID is our router on the URL's port,
+    and it answers HTTP there (any answer: its key check may refuse a caller without the key)."""
+    port = httpx.URL(url).port
+    if pid is None or not _is_router(pid, port):
+        return False
+    try:
+        httpx.get(f"{url.rstrip('/')}/liveness", timeout=timeout_s, trust_env=False)
+        return True
+    except httpx.HTTPError:
+        return False
+
+
+def _is_router(pid: int, port: int | None = None) -> bool:
+    """The PID is one of our routers (and, given a port, the one on that port: another endpoint's router
+    on this host may have the PID a lost one had)."""
     try:
         process = psutil.Process(pid)
         if process.status() == psutil.STATUS_ZOMBIE:
             return False
         cmdline = " ".join(process.cmdline())
+        if not (LAUNCHER in cmdline or cmdline.startswith(PROCESS_TITLE)):
+            return False
+        # Its command line is its process title by now (setproctitle): the port is asked of its sockets.
+        return port is None or any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
+                                   for c in process.net_connections("tcp"))
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return False
-    return LAUNCHER in cmdline or cmdline.startswith(PROCESS_TITLE)
 
 
 

@@ -1,23 +1,83 @@
-"""Starting and stopping an endpoint from outside (what `up` and `down` call): its controller is a
-detached process here; when that process died before it could stop what it started, the router and the
-members are stopped from here, by the PIDs and jobs its state recorded."""
+"""Starting, adopting, checking and stopping an endpoint from outside (what `up`, `adopt`, `status` and
+`down` call). Its controller is a detached process here; the router and the members' jobs outlive it.
+
+    start_endpoint(cfg, results)   a new run folder and its controller
+    adopt_endpoint(record)         a new controller in the same run folder: it adopts what still runs
+    inspect_endpoint(record)       the controller, the router and every member, each checked now (not
+                                   what the controller last wrote: it may be gone)
+    stop_endpoint(record)          the controller stops the rest itself; what it left (it was killed)
+                                   is stopped from here, by the PIDs and jobs its state recorded
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+
+import httpx
 
 from hpcserve.core.config import DeploymentConfig
 from hpcserve.core.registry import Record
 from hpcserve.core.runstate import RunState
-from hpcserve.core.statuses import RunKind
+from hpcserve.core.statuses import MemberStatus, RunKind
 from hpcserve.deployment.runs import LocalRun, run_of
-from hpcserve.endpoint.router import stop_router
+from hpcserve.endpoint.members import Member
+from hpcserve.endpoint.router import router_serving, stop_router
+from hpcserve.engine.client import health_ok
 
 CONTROLLER_MODULE = "hpcserve.endpoint.process"
+# Members whose job may still hold a replica (a stopping one's job may not have ended yet).
+CHECKED = (MemberStatus.LAUNCHING, MemberStatus.SERVING, MemberStatus.DRAINING, MemberStatus.STOPPING)
 
 
 def start_endpoint(cfg: DeploymentConfig, results: Path) -> Record:
     return LocalRun.start(cfg, results, CONTROLLER_MODULE, RunKind.ENDPOINT, {}).record
+
+
+def adopt_endpoint(record: Record) -> Record:
+    """A new controller in the endpoint's run folder (its state lists members: the controller adopts them,
+    never starts afresh); the returned record names it."""
+    return LocalRun.restart(record, CONTROLLER_MODULE, {}).record
+
+
+@dataclass(frozen=True)
+class MemberCheck:
+    member: Member
+    gone: str | None  # why its job or driver no longer serves, checked now; None while it runs
+    runner: str  # its job's state as Slurm tells it now, or its driver's PID
+    answering: tuple[str, ...]  # its replicas that answer /health now
+
+
+@dataclass(frozen=True)
+class EndpointCheck:
+    controller_gone: str | None  # why the controller no longer runs; None while it does
+    router_pid: int | None
+    router_serving: bool  # that PID is our router on the endpoint's port, and it answers
+    members: tuple[MemberCheck, ...]
+
+    @property
+    def running_members(self) -> list[MemberCheck]:
+        return [m for m in self.members if m.gone is None]
+
+    @property
+    def survivors(self) -> bool:
+        """Something of the endpoint still runs without its controller: worth adopting, not restarting."""
+        return self.router_serving or bool(self.running_members)
+
+
+def inspect_endpoint(record: Record, state: RunState | None = None) -> EndpointCheck:
+    state = state or RunState.read(record.run_dir)
+    members = [Member.from_json(m) for m in state.members]
+    serving = bool(state.endpoint_url) and router_serving(state.router_pid, state.endpoint_url)
+    return EndpointCheck(LocalRun(record).gone(), state.router_pid, serving,
+                         tuple(check_member(m) for m in members if m.status in CHECKED))
+
+
+def check_member(member: Member) -> MemberCheck:
+    run = run_of(member.as_record())
+    gone = run.gone()
+    answering = () if gone else tuple(url for url in member.backends if health_ok(url))
+    return MemberCheck(member, gone, gone or run.runner_line(), answering)
 
 
 def stop_endpoint(record: Record, timeout_s: float) -> list[int]:
@@ -25,8 +85,8 @@ def stop_endpoint(record: Record, timeout_s: float) -> list[int]:
     here. Returns PIDs still alive on this machine afterwards, which should be none."""
     left = LocalRun(record).stop(timeout_s)
     state = RunState.read(record.run_dir)
-    if state.router_pid:
-        stop_router(state.router_pid)  # checks that the PID is still our router
+    if state.router_pid and state.endpoint_url:  # only if that PID is still our router on our port
+        stop_router(state.router_pid, port=httpx.URL(state.endpoint_url).port)
     for member in state.members:
         run = run_of(Record.from_dict(member["record"]))
         if run.gone() is None:

@@ -20,7 +20,7 @@ class EngineRole:
     port: int
     tensor: int
     pipeline: int
-    executor: str  # "mp" | "ray"
+    executor: str  # "uni" | "mp" | "ray"
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str | None = None
@@ -31,7 +31,8 @@ class EngineRole:
         return self.node_rank > 0
 
 
-def engine_argv(cfg: DeploymentConfig, model_path: str, role: EngineRole, python: str = sys.executable) -> list[str]:
+def engine_argv(cfg: DeploymentConfig, model_path: str, role: EngineRole, python: str = sys.executable,
+                load_args: list[str] | None = None) -> list[str]:
     argv = [python, "-m", "hpcserve.engine.vllm_cli", "serve", model_path,
             "--served-model-name", cfg.model.name,
             "--host", cfg.serve.host, "--port", str(role.port),
@@ -49,7 +50,7 @@ def engine_argv(cfg: DeploymentConfig, model_path: str, role: EngineRole, python
                  "--master-addr", str(role.master_addr), "--master-port", str(role.master_port)]
         if role.headless:
             argv.append("--headless")
-    return argv + list(cfg.engine.args)
+    return argv + list(load_args or []) + list(cfg.engine.args)
 
 
 def cpu_thread_binding(local_ranks: int, allowed_cpus: list[int]) -> str | None:

@@ -6,23 +6,19 @@ attention kernels reject smaller heads; 4 attention heads and 2 KV heads so tens
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from filelock import FileLock
+
+from hpcserve.core.paths import cache_root
 
 TINY_VERSION = "1"  # bump when the recipe changes: a new cache folder is built
 CORPUS = Path(__file__).with_name("corpus.txt")
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("HPCSERVE_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hpcserve"
-    return Path(root)
-
-
 def tiny_model_path() -> Path:
     """The tiny model's folder, built on first use (safe against concurrent builders)."""
-    target = cache_dir() / f"tiny-llama-v{TINY_VERSION}"
+    target = cache_root() / f"tiny-llama-v{TINY_VERSION}"
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,7 @@ def size(n: float) -> str:
     return f"{n / GIB:.1f} GiB" if n >= GIB / 10 or n == 0 else f"{n / 2**20:.1f} MiB"
 
 
-def describe(layout: Layout) -> str:
+def layout_words(layout: Layout) -> str:
     return f"tensor {layout.tensor} x pipeline {layout.pipeline} x replicas {layout.replicas}"
 
 
@@ -30,11 +30,11 @@ def explain(p: Plan) -> list[str]:
              f"max_model_len {s.max_model_len:,}"]
     best = p.best
     if best is None:
-        return lines + ["No layout fits:"] + [f"  {describe(c.layout)}: {'; '.join(c.problems)}" for c in p.rejected] \
+        return lines + ["No layout fits:"] + [f"  {layout_words(c.layout)}: {'; '.join(c.problems)}" for c in p.rejected] \
             + list(p.notes)
     lay = best.layout
     lines += [
-        f"Best: {describe(lay)} ({lay.workers_per_replica * lay.replicas} {unit}s), score {best.score:.2f}",
+        f"Best: {layout_words(lay)} ({lay.workers_per_replica * lay.replicas} {unit}s), score {best.score:.2f}",
         f"Weights: {size(best.weights_bytes_per_worker)} per {unit}; reserve for activations and runtime "
         f"{size(best.reserve_bytes_per_worker)}; KV cache {size(best.kv_bytes_per_worker)} per {unit}",
         f"KV cache: {best.kv_tokens_per_replica:,} tokens per replica, {best.kv_tokens_per_replica * lay.replicas:,} in all",
@@ -61,7 +61,7 @@ def load_lines(p: Plan, best: Candidate) -> list[str]:
              f"its peak (half the peak at {throughput.C_HALF * best.layout.pipeline:.0f} running)"]
     at_capacity = max(p.ranked, key=lambda c: (round(c.capacity, 9), c.kv_tokens_per_replica))
     if at_capacity.layout != best.layout:
-        lines.append(f"At capacity (saturated) {describe(at_capacity.layout)} would win "
+        lines.append(f"At capacity (saturated) {layout_words(at_capacity.layout)} would win "
                      f"({at_capacity.capacity:.2f} against {best.capacity:.2f}): it needs more requests in flight")
     return lines
 
@@ -81,7 +81,7 @@ def why_better(best: Candidate, other: Candidate, s: PlanSettings) -> str:
                        f"(fewer than {s.min_concurrent_seqs:g} caps batching)")
     if not reasons:
         reasons.append("it uses fewer workers in all" if other.score < best.score else "it ties and holds fewer KV tokens")
-    return (f"Runner-up: {describe(other.layout)}, score {other.score:.2f}: " + "; ".join(reasons))
+    return (f"Runner-up: {layout_words(other.layout)}, score {other.score:.2f}: " + "; ".join(reasons))
 
 
 def render_plan_table(p: Plan) -> RenderableType:
