@@ -37,9 +37,10 @@ from hpcserve.core.runstate import RunState, read_timeline
 from hpcserve.core.statuses import MemberStatus, RunKind, RunStatus, Stage, StageEvent
 from hpcserve.core.timeline import stage_breakdown
 from hpcserve.deployment import preflight
-from hpcserve.deployment.runs import CHECK_ONLY_ENV, launch, run_of
+from hpcserve.deployment.runs import CHECK_ONLY_ENV, expected_start, launch, run_of
 from hpcserve.deployment.watch import StartWatch
-from hpcserve.endpoint.members import Member
+from hpcserve.endpoint.handover import last_run_startup
+from hpcserve.endpoint.members import Member, member_config, single_replica
 from hpcserve.endpoint.run import (
     EndpointCheck,
     MemberCheck,
@@ -52,6 +53,7 @@ from hpcserve.core.net import is_loopback, port_free
 from hpcserve.engine.client import Endpoint, health_ok
 from hpcserve.monitoring.metrics import Gatherer
 from hpcserve.planning.planner import check_config_layout
+from hpcserve.slurm.parse import time_limit_seconds
 
 FOLLOW_POLL_S = 0.3
 
@@ -102,7 +104,21 @@ def prepare(config: str | Path | DeploymentConfig) -> tuple[DeploymentConfig, st
                               f"(tensor x pipeline x replicas) cannot serve this model: {'; '.join(problems)}. "
                               "Run `hpcserve plan CONFIG` for a layout that fits")
     preflight.check_port(cfg, (layout.replicas if layout else 1) + (1 if cfg.serve.router else 0))
+    preflight.check_walltime(handover_room(cfg, model_path, layout), str(config_path))
     return cfg, model_path
+
+
+def handover_room(cfg: DeploymentConfig, model_path: str, layout: Layout | None):
+    """What the walltime leaves to serve behind an endpoint on Slurm: Slurm's queue estimate for one member
+    now (sbatch --test-only, nothing queued) and the startup measured in this deployment's last run, else
+    estimated (deployment.preflight.walltime_check)."""
+    if cfg.cluster.scheduler != "slurm" or not cfg.serve.router or time_limit_seconds(cfg.cluster.time) is None:
+        return None
+    results = Path(cfg.results_dir).resolve()
+    member = member_config(cfg, f"{cfg.name}-m0", 0, single_replica(layout or Layout()), results)
+    measured = last_run_startup(results, cfg.name)
+    return preflight.walltime_check(cfg, model_path, expected_start(member, results), time.time(),
+                                    (measured.seconds, measured.basis) if measured else None)
 
 
 def up(config_path: str | Path | DeploymentConfig, on_event: Callable[[Event], None] | None = None,

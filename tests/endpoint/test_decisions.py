@@ -1,16 +1,13 @@
-"""The endpoint controller's decisions: leaving the pool, scaling, walltime handover, capacity weights."""
+"""The endpoint controller's decisions: leaving the pool, scaling, capacity weights (walltime handover:
+test_handover_decisions.py)."""
 
 from __future__ import annotations
-
-from datetime import datetime
 
 from hpcserve.core.config import AutoscaleSpec
 from hpcserve.endpoint.decisions import (
     LoadSample,
     ProbeResult,
     decide_scale,
-    handover_due,
-    handover_lead_s,
     replace_failed_launch,
     should_leave,
     update_idle_since,
@@ -74,15 +71,6 @@ def test_a_request_finished_between_two_samples_is_not_idleness():
     before = LoadSample(8.0, {"a": 0, "b": 0}, {"a": 0, "b": 0}, {"a": 40.0, "b": 12.0})
     now = LoadSample(9.0, {"a": 0, "b": 0}, {"a": 0, "b": 0}, {"a": 41.0, "b": 12.0})
     assert update_idle_since({"a": 1.0, "b": 1.0}, now, before) == {"a": 9.0, "b": 1.0}
-
-
-def test_handover_lead_and_due():
-    assert handover_lead_s(100.0, None) == 210.0
-    assert handover_lead_s(100.0, 45.0) == 45.0
-    now = datetime(2026, 12, 1, 12, 0, 0)
-    assert handover_due("2026-12-01T12:03:00", now, lead_s=200)
-    assert not handover_due("2026-12-01T12:05:00", now, lead_s=200)
-    assert not handover_due("Unknown", now, lead_s=200) and not handover_due(None, now, lead_s=200)
 
 
 def test_a_failed_scale_up_or_successor_is_decided_again_not_replaced():

@@ -123,8 +123,9 @@ class ServeSpec(Strict):
                                              "planner scores layouts at this load, not at their capacity")
     router: bool = Field(True, description="one endpoint on serve.port in front of all replicas; false: each "
                          "replica is its own endpoint on serve.port + index")
-    handover_s: float | None = Field(None, gt=0, description="Slurm: submit a job's successor this long before "
-                                     "its time limit; default 1.5 x its measured startup + 60 s")
+    handover_s: float | None = Field(None, gt=0, description="Slurm: submit a job's successor at least this long "
+                                     "before its time limit; the lead is timed from Slurm's queue estimate and the "
+                                     "measured startups (docs/endpoint.md)")
     hold_s: float = Field(60.0, ge=0, description="while no replica can take a request (none in the pool yet, "
                           "or the only one being replaced), the endpoint holds new requests this long and "
                           "sends them on as soon as one joins; after that they get 503 with Retry-After. "

@@ -1,5 +1,6 @@
-"""Checks before anything starts: a bad model path, a busy port or a layout the model cannot take is
-reported as a ConfigError (exit code 2) with nothing started."""
+"""Checks before anything starts: a bad model path, a busy port, a layout the model cannot take or a
+walltime too short for the walltime handover is reported as a ConfigError (exit code 2) with nothing
+started."""
 
 from __future__ import annotations
 
@@ -14,6 +15,10 @@ from hpcserve.core.net import is_loopback, port_free
 from hpcserve.models.tiny import tiny_model_path
 from hpcserve.planning.catalog import lookup, resolve_config
 from hpcserve.planning.planner import layout_for
+from hpcserve.planning.walltime import LOAD_BASE_S, READ_BYTES_PER_S, WalltimeCheck, estimated_startup_s
+from hpcserve.slurm.parse import WillRun, slurm_epoch, time_limit_seconds
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
 def looks_like_path(spec: str) -> bool:
@@ -97,3 +102,38 @@ def check_scheduler(cfg: DeploymentConfig) -> None:
 def resolved_layout(cfg: DeploymentConfig) -> Layout:
     """The layout this deployment runs: configured, or planned for the model (`parallelism: auto`)."""
     return layout_for(cfg, model_config_for(cfg, resolve_model_path(cfg)))
+
+
+def weight_bytes(model_path: str | None) -> int | None:
+    """The size of the weights in a local model folder (None for a hub id or a folder without them)."""
+    if not model_path or not Path(model_path).is_dir():
+        return None
+    total = sum(f.stat().st_size for f in Path(model_path).iterdir() if f.suffix in WEIGHT_SUFFIXES and f.is_file())
+    return total or None
+
+
+def walltime_check(cfg: DeploymentConfig, model_path: str, will_run: WillRun | None, now: float,
+                   measured: tuple[float, str] | None = None) -> WalltimeCheck | None:
+    """The walltime handover's room (planning.walltime) for an endpoint on Slurm with a time limit, else None.
+    measured: (startup, where it was measured), e.g. the last run's members; else estimated from the weights.
+    will_run: Slurm's answer to `sbatch --test-only` for one member (its queue wait now)."""
+    walltime = time_limit_seconds(cfg.cluster.time)
+    if cfg.cluster.scheduler != "slurm" or not cfg.serve.router or walltime is None:
+        return None
+    if measured is None:
+        size = weight_bytes(model_path)
+        what = f"{size / 1e9:.1f} GB of weights" if size else "no local weights"
+        measured = (estimated_startup_s(size), f"estimated before any measurement: {LOAD_BASE_S:.0f} s + {what} at "
+                                               f"{READ_BYTES_PER_S / 1e6:.0f} MB/s")
+    start = slurm_epoch(will_run.start) if will_run else None
+    queue = max(0.0, start - now) if start is not None else 0.0
+    return WalltimeCheck(walltime, measured[0], queue, measured[1],
+                         f"Slurm expects a member's job to start at {will_run.start}" if will_run else "no estimate")
+
+
+def check_walltime(check: WalltimeCheck | None, config_path: str) -> None:
+    """Refuse a walltime that leaves a job less than a quarter of its time to serve (one message, exit 2)."""
+    problem = check.problem("cluster.time") if check else None
+    if problem:
+        raise ConfigError(f"{config_path}: {problem}")
+

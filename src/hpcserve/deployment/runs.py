@@ -5,6 +5,7 @@
 
     launch(cfg, results)   start a driver (here or as a job); returns the Record that finds it again
     run_of(record)         the LocalRun or SlurmRun a registered record names
+    expected_start(cfg)    when Slurm would start its job if submitted now (nothing is queued)
     run.gone()             why it can no longer make progress (process exited, job ended), else None
     run.stop()             orderly stop (SIGTERM: it stops what it started), then by recorded PID
     LocalRun.restart(record, module)   a new process in the same run folder (an endpoint's controller
@@ -26,7 +27,7 @@ import psutil
 import yaml
 
 from hpcserve.core.config import DeploymentConfig
-from hpcserve.core.errors import SlurmError
+from hpcserve.core.errors import HpcserveError, SlurmError
 from hpcserve.core.files import write_text
 from hpcserve.core.keys import new_key, store_key
 from hpcserve.core.osenv import environment_variables
@@ -34,6 +35,7 @@ from hpcserve.core.paths import RunPaths
 from hpcserve.core.registry import Record
 from hpcserve.core.statuses import RunKind
 from hpcserve.slurm.client import JobWaitTimeout, SlurmClient
+from hpcserve.slurm.parse import WillRun
 from hpcserve.slurm.render import render_batch_script
 from hpcserve.slurm.states import JobInfo, JobState
 
@@ -50,6 +52,18 @@ def launch(cfg: DeploymentConfig, results: Path, extra_env: dict[str, str] | Non
 
 def run_of(record: Record) -> LocalRun | SlurmRun:
     return SlurmRun(record) if record.job_id else LocalRun(record)
+
+
+def expected_start(cfg: DeploymentConfig, results: Path) -> WillRun | None:
+    """When Slurm would start this deployment's job if it were submitted now (`sbatch --test-only` on the
+    script `launch` would submit); None in local mode or when Slurm gives no estimate (an error, a site's
+    sbatch wrapper): the caller plans without a queue wait then."""
+    if cfg.cluster.scheduler == "local":
+        return None
+    try:
+        return SlurmClient().will_run(render_batch_script(cfg, config_yaml(cfg), sys.executable, results))
+    except HpcserveError:
+        return None
 
 
 def config_yaml(cfg: DeploymentConfig) -> str:

@@ -11,12 +11,10 @@ from dataclasses import dataclass
 
 from hpcserve.core.config import DeploymentConfig
 from hpcserve.doctor.findings import Finding, blocker, info, ok, warning
+from hpcserve.planning.walltime import LOAD_BASE_S, READ_BYTES_PER_S, WalltimeCheck, estimated_startup_s
+from hpcserve.slurm.parse import SlurmParseError, parse_test_only, slurm_epoch
 
 SLURM_COMMANDS = ("sbatch", "squeue", "sinfo", "srun", "scontrol")
-# A conservative guess of a start-up (Ray, health check, vLLM, first completion) before weights are
-# read, and of the shared filesystem's read rate for the weights.
-LOAD_BASE_S = 120.0
-READ_BYTES_PER_S = 500e6
 SERVE_MARGIN_S = 600.0  # less serving time than this after loading is not worth a job
 
 
@@ -229,15 +227,22 @@ def check_accounting(cfg: DeploymentConfig, assoc: Captured, enforce: str) -> li
 # ---------------------------------------------------------------- time
 
 def expected_load_s(weight_bytes: int | None) -> float:
-    return LOAD_BASE_S + (weight_bytes or 0) / READ_BYTES_PER_S
+    return estimated_startup_s(weight_bytes)
 
 
-def check_time(cfg: DeploymentConfig, weight_bytes: int | None) -> list[Finding]:
+def check_time(cfg: DeploymentConfig, weight_bytes: int | None, test_only: Captured | None = None,
+               now: float | None = None) -> list[Finding]:
+    """The walltime against the expected start-up and, behind an endpoint on Slurm, against the walltime
+    handover (planning.walltime; the queue wait from `sbatch --test-only`'s estimate when given)."""
     limit = slurm_seconds(cfg.cluster.time)
     load = expected_load_s(weight_bytes)
     size = f"{weight_bytes / 1e9:.1f} GB of weights" if weight_bytes else "weights of unknown size"
     if limit is None:
         return [ok("time", "no time limit")]
+    handover = handover_check(cfg, limit, load, size, test_only, now)
+    if handover is not None and not handover.enough:
+        works = max(handover.walltime_that_works_s, load + SERVE_MARGIN_S)
+        return [blocker("time", handover.what("cluster.time"), f"set cluster.time to at least {minutes(works)}")]
     if limit <= load:
         return [blocker("time", f"cluster.time = {cfg.cluster.time} ({limit / 60:.0f} min) is shorter than the expected "
                         f"start-up (~{load / 60:.0f} min: {size} at {READ_BYTES_PER_S / 1e6:.0f} MB/s + "
@@ -251,7 +256,26 @@ def check_time(cfg: DeploymentConfig, weight_bytes: int | None) -> list[Finding]
         findings.append(warning("time", f"cluster.time ({limit:.0f} s) is shorter than engine.startup_timeout_s "
                                 f"({cfg.engine.startup_timeout_s:.0f} s): a slow start ends as TIMEOUT, not as a "
                                 "diagnosed failure", "raise cluster.time or lower engine.startup_timeout_s"))
-    return findings or [ok("time", f"cluster.time = {cfg.cluster.time}; expected start-up ~{load / 60:.0f} min")]
+    handed = (f"; successors launched ~{handover.lead_s / 60:.0f} min before each job ends" if handover else "")
+    return findings or [ok("time", f"cluster.time = {cfg.cluster.time}; expected start-up ~{load / 60:.0f} min"
+                                   + handed)]
+
+
+def handover_check(cfg: DeploymentConfig, limit: float, load: float, size: str, test_only: Captured | None,
+                   now: float | None) -> WalltimeCheck | None:
+    """Behind an endpoint on Slurm every job is handed over to a successor before its limit."""
+    if cfg.cluster.scheduler != "slurm" or not cfg.serve.router:
+        return None
+    queue, queue_basis = 0.0, "no estimate"
+    if test_only is not None and test_only.rc == 0 and now is not None:
+        try:
+            start = slurm_epoch(parse_test_only(test_only.stderr + test_only.stdout).start)
+        except SlurmParseError:
+            start = None
+        if start is not None:
+            queue, queue_basis = max(0.0, start - now), "Slurm's estimate, sbatch --test-only"
+    basis = f"estimated: {LOAD_BASE_S:.0f} s + {size} at {READ_BYTES_PER_S / 1e6:.0f} MB/s"
+    return WalltimeCheck(limit, load, queue, basis, queue_basis)
 
 
 def minutes(seconds: float) -> str:

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import yaml
 
 from hpcserve.core.config import BUILTIN_TINY, DeploymentConfig, Layout
 from hpcserve.core.errors import HpcserveError
-from hpcserve.deployment.preflight import resolve_model_path
+from hpcserve.deployment.preflight import resolve_model_path, weight_bytes
 from hpcserve.doctor.checks import (
     SINFO_FORMAT,
     Captured,
@@ -37,7 +38,6 @@ from hpcserve.site.profiles import SiteProfile, profile_for
 from hpcserve.slurm.render import render_batch_script
 
 Runner = Callable[[list[str], float], Captured]
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 PROBE_TIMEOUT_S = IMMEDIATE_S + 240.0  # waiting for nodes, then importing vLLM on a slow node
 
 
@@ -60,9 +60,9 @@ def run_doctor(cfg: DeploymentConfig, python: str = sys.executable, runner: Runn
     findings: list[Finding] = make_results_folder(results)
     model_path, model_findings = locate_model(cfg)
     findings += model_findings
-    findings += check_time(cfg, weight_bytes(model_path))
     findings += check_image(cfg)
     if cfg.cluster.scheduler == "local":
+        findings += check_time(cfg, weight_bytes(model_path))
         findings += [info("scheduler", "scheduler 'local': Slurm checks skipped; this machine is probed")]
         if cfg.site.runtime != "venv":
             findings.append(blocker("container", f"site.runtime '{cfg.site.runtime}' applies to Slurm jobs only: "
@@ -73,14 +73,16 @@ def run_doctor(cfg: DeploymentConfig, python: str = sys.executable, runner: Runn
     found = {c: which(c) for c in ("sbatch", "squeue", "sinfo", "srun", "scontrol")}
     findings += check_commands(found)
     if not all(found.values()):
-        return ordered(findings)
+        return ordered(findings + check_time(cfg, weight_bytes(model_path)))
     squeue = runner(["squeue", "-h", "-u", getpass.getuser(), "-o", "%i"], 30)
     findings += check_controller(squeue)
     if squeue.rc != 0:
-        return ordered(findings)
+        return ordered(findings + check_time(cfg, weight_bytes(model_path)))
     findings += check_partition(cfg, runner(["sinfo", "-h", "-o", SINFO_FORMAT], 30))
     findings += check_accounting(cfg, accounting(cfg, runner), enforce_setting(runner))
-    findings += check_submission(test_submission(cfg, python, results, runner))
+    test_only = test_submission(cfg, python, results, runner)
+    findings += check_submission(test_only)
+    findings += check_time(cfg, weight_bytes(model_path), test_only, time.time())
     probe = runner(probe_argv(cfg, profile, python, model_path, serve_ports(cfg), str(results / "logs")),
                    PROBE_TIMEOUT_S)
     findings += check_probe(cfg, profile, probe, model_path)
@@ -116,13 +118,6 @@ def locate_model(cfg: DeploymentConfig) -> tuple[str | None, list[Finding]]:
     if cfg.model.path == BUILTIN_TINY:
         return path, [info("model", f"{BUILTIN_TINY} is built at {path}: compute nodes must see that folder")]
     return path, []
-
-
-def weight_bytes(model_path: str | None) -> int | None:
-    if not model_path or not Path(model_path).is_dir():
-        return None
-    total = sum(f.stat().st_size for f in Path(model_path).iterdir() if f.suffix in WEIGHT_SUFFIXES and f.is_file())
-    return total or None
 
 
 def check_image(cfg: DeploymentConfig) -> list[Finding]:

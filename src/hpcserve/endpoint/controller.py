@@ -22,10 +22,10 @@ from hpcserve.core.errors import StageError
 from hpcserve.core.runstate import Decision, RunStateWriter, StageFailure
 from hpcserve.core.statuses import MemberRole, MemberStatus, RunStatus, Stage
 from hpcserve.deployment.process import Stop
-from hpcserve.deployment.runs import launch, run_of
+from hpcserve.deployment.runs import expected_start, launch, run_of
 from hpcserve.deployment.watch import StartWatch
 from hpcserve.endpoint.autoscale import Autoscaler
-from hpcserve.endpoint.decisions import FAILED_PROBES_TO_LEAVE, replace_failed_launch
+from hpcserve.endpoint.decisions import FAILED_PROBES_TO_LEAVE, replace_failed_launch, served_during
 from hpcserve.endpoint.handover import Handover
 from hpcserve.endpoint.healing import SelfHealing
 from hpcserve.endpoint.members import (
@@ -38,6 +38,8 @@ from hpcserve.endpoint.members import (
 )
 from hpcserve.endpoint.pool import ROTATION_S, Pool
 from hpcserve.endpoint.router import Router
+from hpcserve.slurm.parse import WillRun
+from hpcserve.slurm.states import JobInfo
 
 TICK_S = 1.0
 JOB_CHECK_EVERY_S = 5.0  # Slurm is asked about a member at most this often: sites rate-limit squeue
@@ -133,17 +135,36 @@ class Controller:
     def base_layout(self) -> Layout:
         return Layout(**self.members[0].layout)
 
+    def job(self, member: Member) -> JobInfo | None:
+        return run_of(member.as_record()).info() if member.record.get("job_id") else None
+
+    def expected_start(self, layout: Layout, group: int) -> WillRun | None:
+        name = f"{self.cfg.name}-m{len(self.members)}"  # as the next launch would name it
+        return expected_start(member_config(self.cfg, name, free_slot(self.members), layout, self.run_dir / "members",
+                                            group), self.run_dir / "members")
+
     # ------------------------------------------------------------ pool
     def join(self, member: Member) -> None:
         """The member's replicas answered a real completion (its driver checked): probe them once more
         from here (the router's side of the network), then give them traffic."""
-        urls = replica_urls(member.state())
+        state = member.state()
+        urls = replica_urls(state)
         self.pool.join(urls, member_capacity(self.cfg, member.group))
         with self.lock:
             member.backends, member.status, member.note = urls, MemberStatus.SERVING, ""
-            member.ready_s = time.time() - member.launched
-        self.decide("join", f"{member.name}: {', '.join(urls)} in the pool after {member.ready_s:.0f} s")
+            self.measure_startup(member, state.job_started, time.time())
+        self.decide("join", f"{member.name}: {', '.join(urls)} in the pool after {member.ready_s:.0f} s (queue "
+                            f"{member.ready_s - member.startup_s:.0f} s, startup {member.startup_s:.0f} s"
+                            f"{' under load' if member.under_load else ''})")
         self.failed_launches = 0
+
+    def measure_startup(self, member: Member, job_started: float | None, now: float) -> None:
+        """What the walltime handover plans with: the member's queue wait and startup, and whether the
+        endpoint served requests meanwhile (a replica starts slower next to a loaded one)."""
+        member.ready_s = now - member.launched
+        member.job_started = job_started or member.launched
+        member.startup_s = now - member.job_started
+        member.under_load = served_during(self.pool.history, member.job_started)
 
     def leave(self, url: str, why: str) -> None:
         self.pool.leave(url)

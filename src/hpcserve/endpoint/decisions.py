@@ -8,20 +8,17 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Literal
 
 from hpcserve.core.config import AutoscaleSpec
 from hpcserve.core.statuses import Adoption, MemberRole, MemberStatus
+from hpcserve.planning.walltime import HANDOVER_MARGIN_S, HANDOVER_STARTUP_FACTOR, handover_lead_s
 
 # A backend whose probes failed this many times in a row leaves the pool. With a probe every second
 # and a one-second timeout, a dead backend is out within about 3 s.
 FAILED_PROBES_TO_LEAVE = 2
-# A successor starts this many times its predecessor's measured startup before the time limit, plus
-# the margin below: the load time varies with the node and the file system's mood.
-HANDOVER_STARTUP_FACTOR = 1.5
-HANDOVER_MARGIN_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -109,23 +106,168 @@ def replace_failed_launch(role: MemberRole) -> bool:
 
 
 # ------------------------------------------------------------------ walltime
+#
+# A member's successor is launched `lead` before its job's time limit (Slurm's EndTime):
+#
+#     lead = queue + HANDOVER_STARTUP_FACTOR x startup + HANDOVER_MARGIN_S   (at least serve.handover_s;
+#                                                       planning.walltime: the same lead refuses walltimes)
+#
+#     queue    the wait Slurm expects for the successor now (sbatch --test-only), refreshed every minute
+#     startup  job start -> serving, the longest of the last STARTUPS_CONSIDERED members measured while
+#              the endpoint served requests; before any was, the idle ones' x IDLE_TO_LOADED
+#
+# Handovers follow one another (at most one successor starting at a time: a second one would compete for
+# the same free nodes and double the capacity at risk), planned backwards from the last job to end; a
+# member whose own lead has come is handed over even while another handover runs. The old member serves
+# until its successor serves, or until END_DRAIN_S before its job ends: then it is drained so that the
+# requests it runs finish before Slurm's TERM, and the data plane holds new ones (serve.hold_s) until
+# the successor joins, when it was the last replica.
 
-def handover_lead_s(startup_s: float | None, configured_s: float | None) -> float:
-    """How long before a job's end its successor is submitted."""
-    if configured_s is not None:
-        return configured_s
-    return HANDOVER_STARTUP_FACTOR * (startup_s or 300.0) + HANDOVER_MARGIN_S
+STARTUPS_CONSIDERED = 3
+IDLE_TO_LOADED = 2.0
+END_DRAIN_S = 20.0
 
 
-def handover_due(end_time: str | None, now: datetime, lead_s: float) -> bool:
-    """end_time is Slurm's EndTime (ISO, no zone: the cluster's local time), None/Unknown for no limit."""
-    if not end_time or end_time in ("Unknown", "N/A", "NONE"):
-        return False
-    try:
-        ends = datetime.fromisoformat(end_time)
-    except ValueError:
-        return False
-    return (ends - now).total_seconds() <= lead_s
+@dataclass(frozen=True)
+class Startup:
+    """One member's measured start: its job's start to serving (the queue before it is not in it)."""
+
+    member: str
+    seconds: float
+    under_load: bool  # the endpoint served requests while it started
+
+
+@dataclass(frozen=True)
+class Estimate:
+    seconds: float
+    basis: str  # where the figure comes from, for the decision's reason
+
+
+def expected_startup(recent: list[Startup], fallback: Estimate) -> Estimate:
+    """recent: oldest first. The first members start on an idle endpoint, and a successor starts next to
+    a serving replica under load: measured on the sandbox's shared cores, 50 s idle against 212 s under
+    load (issue 19), so idle measurements count only until one under load exists."""
+    loaded = [s for s in recent if s.under_load][-STARTUPS_CONSIDERED:]
+    if loaded:
+        worst = max(s.seconds for s in loaded)
+        return Estimate(worst, "measured under load: " + ", ".join(f"{s.member} {s.seconds:.0f} s" for s in loaded))
+    idle = recent[-STARTUPS_CONSIDERED:]
+    if idle:
+        worst = max(s.seconds for s in idle)
+        return Estimate(IDLE_TO_LOADED * worst, f"none measured under load yet: {IDLE_TO_LOADED:g} x the idle "
+                        + ", ".join(f"{s.member} {s.seconds:.0f} s" for s in idle))
+    return fallback
+
+
+def queue_estimate(expected_start: float | None, now: float, asked_at: str) -> Estimate:
+    """Slurm's expected start of a job submitted now (None: it gave none) as a wait from now."""
+    if expected_start is None:
+        return Estimate(0.0, "Slurm gave no estimate")
+    wait = max(0.0, expected_start - now)
+    return Estimate(wait, f"sbatch --test-only at {asked_at}")
+
+
+@dataclass(frozen=True)
+class Lead:
+    """How long before a job's end its successor is launched, and from what."""
+
+    queue: Estimate
+    startup: Estimate
+    configured_s: float | None = None  # serve.handover_s: a lower bound
+
+    @property
+    def computed_s(self) -> float:
+        return handover_lead_s(self.queue.seconds, self.startup.seconds)
+
+    @property
+    def seconds(self) -> float:
+        return max(self.computed_s, self.configured_s or 0.0)
+
+    @property
+    def expected_s(self) -> float:
+        """Launch to serving, as expected (without the safety factor and margin)."""
+        return self.queue.seconds + self.startup.seconds
+
+    def describe(self) -> str:
+        text = (f"lead {self.seconds:.0f} s = queue {self.queue.seconds:.0f} s ({self.queue.basis}) + "
+                f"{HANDOVER_STARTUP_FACTOR:g} x startup {self.startup.seconds:.0f} s ({self.startup.basis}) + "
+                f"{HANDOVER_MARGIN_S:.0f} s")
+        if self.configured_s and self.configured_s > self.computed_s:
+            text = f"lead {self.seconds:.0f} s (serve.handover_s; computed: {text.removeprefix('lead ')})"
+        return text
+
+
+@dataclass(frozen=True)
+class Ending:
+    """A serving member without a successor yet, whose job has a time limit."""
+
+    member: str
+    ends: float  # epoch seconds (Slurm's EndTime)
+    lead_s: float  # its successor is launched at the latest this long before it ends
+    span_s: float  # launch to serving, as expected (queue and startup, without the lead's margins)
+
+
+def handover_starts(endings: list[Ending]) -> dict[str, float]:
+    """When each member's successor should be launched: its lead before its job ends, or earlier so that
+    its handover is expected to be done when the next one starts (planned backwards from the last job to
+    end). Jobs started together end together: the first is then handed over one span before the other."""
+    starts: dict[str, float] = {}
+    following = math.inf
+    for ending in sorted(endings, key=lambda e: (e.ends, e.member), reverse=True):
+        starts[ending.member] = min(ending.ends - ending.lead_s, following - ending.span_s)
+        following = starts[ending.member]
+    return starts
+
+
+@dataclass(frozen=True)
+class HandoverCall:
+    member: str
+    left_s: float  # the time its job really has left now
+    reason: str
+
+
+def handovers_due(endings: list[Ending], in_handover: list[str], now: float) -> list[HandoverCall]:
+    """The members whose successors are launched now. in_handover: members whose successor is starting."""
+    starts = handover_starts(endings)
+    busy = list(in_handover)
+    calls = []
+    for ending in sorted(endings, key=lambda e: (e.ends, e.member)):
+        if now < starts[ending.member]:
+            continue
+        left = ending.ends - now
+        overdue = left <= ending.lead_s
+        if busy and not overdue:
+            continue  # its turn comes when the running handover is done
+        if busy:
+            reason = f"its lead has come although {', '.join(busy)} is still in handover"
+        elif overdue:
+            reason = f"its job ends in {left:.0f} s (at most its lead)"
+        else:
+            reason = (f"its job ends in {left:.0f} s; handed over early, so that the handovers after it "
+                      "follow one at a time")
+        calls.append(HandoverCall(ending.member, left, reason))
+        busy.append(ending.member)
+    return calls
+
+
+def projected_join(pending: bool, start: float | None, startup_s: float, now: float) -> float | None:
+    """When a starting successor should serve. pending: start is Slurm's expected start (None: no estimate
+    yet); running: start is its job's start."""
+    if start is None:
+        return None
+    if pending:
+        return max(now, start) + startup_s
+    return max(now, start + startup_s)
+
+
+def end_drain_due(ends: float, now: float) -> bool:
+    """The old member stops taking requests this long before its job ends (Slurm's TERM cuts what runs)."""
+    return ends - now <= END_DRAIN_S
+
+
+def served_during(history: list[LoadSample], since: float) -> bool:
+    """Did the endpoint serve requests since `since` (a member's start under load)?"""
+    return any(sum(s.running.values()) + sum(s.waiting.values()) > 0 for s in history if s.time >= since)
 
 
 # ------------------------------------------------------------------ adoption

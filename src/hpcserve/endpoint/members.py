@@ -35,7 +35,10 @@ class Member:
     launched: float = field(default_factory=time.time)
     status: MemberStatus = MemberStatus.LAUNCHING
     backends: list[str] = field(default_factory=list)
-    ready_s: float | None = None  # launch to ready: the startup the walltime handover plans with
+    ready_s: float | None = None  # launch (submission) to serving: queue wait and startup
+    job_started: float | None = None  # when its job (or local driver) started, epoch seconds
+    startup_s: float | None = None  # its job's start to serving: what the walltime handover plans with
+    under_load: bool = False  # the endpoint served requests while it started
     replaces: str | None = None
     successor: str | None = None
     error: dict | None = None

@@ -10,6 +10,8 @@ from hpcserve.core.runstate import Decision
 from hpcserve.core.statuses import MemberRole
 from hpcserve.endpoint.members import Member
 from hpcserve.endpoint.pool import Pool
+from hpcserve.slurm.parse import WillRun
+from hpcserve.slurm.states import JobInfo
 
 
 class ControlPlane(Protocol):
@@ -29,6 +31,12 @@ class ControlPlane(Protocol):
     def base_layout(self) -> Layout: ...
 
     def serving_backends(self) -> list[str]: ...
+
+    def job(self, member: Member) -> JobInfo | None:
+        """Its Slurm job as Slurm reports it now (None: no job, or Slurm does not know it)."""
+
+    def expected_start(self, layout: Layout, group: int) -> WillRun | None:
+        """When Slurm would start a member of this shape submitted now (nothing is queued)."""
 
 
 class Policy(Protocol):

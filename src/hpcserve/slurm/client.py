@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import shlex
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +22,7 @@ from hpcserve.slurm.parse import (
     SQUEUE_FORMAT,
     SlurmParseError,
     SlurmProblem,
+    WillRun,
     diagnose,
     optional,
     parse_hostnames,
@@ -28,6 +30,7 @@ from hpcserve.slurm.parse import (
     parse_sbatch_parsable,
     parse_scontrol_jobs,
     parse_squeue,
+    parse_test_only,
 )
 from hpcserve.slurm.states import JobInfo
 
@@ -93,6 +96,20 @@ class SlurmClient:
         except SlurmParseError as exc:
             raise SlurmError(argv, result.returncode, combined_output(result),
                              hint=f"{exc} (is sbatch wrapped by a site script?)") from None
+
+    def will_run(self, script_text: str) -> WillRun:
+        """When Slurm would start this batch script if it were submitted now, and where (`sbatch
+        --test-only`: the scheduler's own test, nothing is queued). Slurm assumes every running job
+        uses its whole time limit and does not count pending jobs of higher priority."""
+        with tempfile.TemporaryDirectory(prefix="hpcserve-test-only-") as folder:
+            script = Path(folder) / SCRIPT_NAME
+            script.write_text(script_text)
+            argv = ["sbatch", "--test-only", str(script)]
+            result = self._checked(argv)
+        try:
+            return parse_test_only(combined_output(result))
+        except SlurmParseError as exc:
+            raise SlurmError(argv, result.returncode, combined_output(result), hint=str(exc)) from None
 
     def job(self, job_id: str) -> JobInfo:
         """The job's state: squeue (cheap, live), then scontrol (exit codes of finished jobs, kept

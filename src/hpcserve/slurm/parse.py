@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from datetime import datetime
 from enum import Enum
 
 from hpcserve.slurm.states import JobInfo, JobState
@@ -42,6 +43,34 @@ def parse_sbatch_parsable(stdout: str) -> Submission:
         raise SlurmParseError(
             f"sbatch --parsable printed {stdout!r}; expected a job id such as '123' or '123;cluster'")
     return Submission(job_id=match.group(1), cluster=match.group(2))
+
+
+# ---------------------------------------------------------------- sbatch --test-only
+
+@dataclass(frozen=True)
+class WillRun:
+    """`sbatch --test-only`'s answer: when the scheduler would start the job if it were submitted now
+    (nothing is queued), on which nodes. start is Slurm's local time as it prints it (ISO, no zone)."""
+
+    job_id: str
+    start: str
+    processors: int
+    nodes: list[str]
+    partition: str
+
+
+_WILL_RUN = re.compile(r"Job (\d+) to start at (\S+) using (\d+) processors on nodes (\S+) in partition (\S+)")
+
+
+def parse_test_only(output: str) -> WillRun:
+    """`sbatch --test-only` prints its answer on stderr: "sbatch: Job 12 to start at 2026-12-02T05:03:31
+    using 4 processors on nodes hsn1 in partition debug". Anything else is an error quoting it."""
+    match = _WILL_RUN.search(output)
+    if not match:
+        raise SlurmParseError(f"sbatch --test-only printed {output.strip()!r}; expected 'Job N to start at TIME "
+                              "using N processors on nodes LIST in partition NAME'")
+    job_id, start, processors, nodes, partition = match.groups()
+    return WillRun(job_id, start, int(processors), expand_nodelist(nodes), partition)
 
 
 # ---------------------------------------------------------------- shared field helpers
@@ -77,6 +106,29 @@ def normalise_time_limit(text: str) -> str | None:
         numbers = [numbers[0], 0, 0] if days else [0, numbers[0], 0]
     hours, minutes, seconds = ([0, 0] + numbers)[-3:]
     return format_duration(int(days or 0) * 86400 + hours * 3600 + minutes * 60 + seconds)
+
+
+def time_limit_seconds(text: str | None) -> float | None:
+    """A time limit as Slurm prints it (or as cluster.time holds it) in seconds; None when unlimited or
+    unknown."""
+    normal = normalise_time_limit(text or "")
+    if normal is None or normal == "UNLIMITED":
+        return None
+    days, _, clock = normal.rpartition("-")
+    hours, minutes, seconds = (int(p) for p in clock.split(":"))
+    return float(int(days or 0) * 86400 + hours * 3600 + minutes * 60 + seconds)
+
+
+def slurm_epoch(text: str | None) -> float | None:
+    """A time as Slurm prints it (StartTime, EndTime: ISO without a zone, the cluster's local time) as
+    epoch seconds; None for "Unknown", "N/A" and the like."""
+    value = optional(text or "")
+    if value is None:
+        return None
+    try:
+        return datetime.fromisoformat(value).timestamp()
+    except ValueError:
+        return None
 
 
 def format_duration(seconds: int) -> str:
