@@ -27,7 +27,8 @@ from hpcserve.core.errors import (
     UsageError,
 )
 from hpcserve.core.files import read_json
-from hpcserve.core.keys import key_source, read_api_key
+from hpcserve.core.keys import choose_key, key_source, read_api_key, remove_secrets
+from hpcserve.core.osenv import PRIVATE_UMASK, umask
 from hpcserve.core.paths import RunPaths
 from hpcserve.core.registry import Record, forget, list_names, load_record, save_record
 from hpcserve.core.runstate import RunState, read_timeline
@@ -79,7 +80,7 @@ def prepare(config: str | Path | DeploymentConfig) -> tuple[DeploymentConfig, st
         raise UsageError(f"a deployment named '{cfg.name}' is already running: `hpcserve down {cfg.name}` "
                          "first, or change 'name' in the config")
     preflight.check_scheduler(cfg)
-    preflight.check_api_key(cfg)
+    preflight.check_folders(cfg)  # nobody else can plant files where the run's processes read them
     model_path = preflight.resolve_model_path(cfg)
     preflight.check_weights_here(cfg, model_path)  # local scheduler: the weights must be here to serve
     model_config = preflight.model_config_for(cfg, model_path)
@@ -94,13 +95,14 @@ def prepare(config: str | Path | DeploymentConfig) -> tuple[DeploymentConfig, st
     return cfg, model_path
 
 
+@umask(PRIVATE_UMASK)  # run folders, their files and the registry's records: for their owner alone
 def up(config_path: str | Path | DeploymentConfig, on_event: Callable[[Event], None] | None = None,
        timeout_s: float | None = None) -> UpResult:
     cfg, _ = prepare(config_path)
     results = Path(cfg.results_dir).resolve()
-    (results / "logs").mkdir(parents=True, exist_ok=True)
+    key = choose_key(cfg.serve.api_key_env, cfg.serve.insecure_no_api_key)  # every deployment has one
     started = time.monotonic()
-    record = start_endpoint(cfg, results) if cfg.serve.router else launch(cfg, results)
+    record = start_endpoint(cfg, results, key) if cfg.serve.router else launch(cfg, results, key)
     save_record(record)
     try:
         result = follow(record, on_event, timeout_s or cfg.engine.startup_timeout_s + 600)
@@ -116,17 +118,20 @@ def up(config_path: str | Path | DeploymentConfig, on_event: Callable[[Event], N
     return result
 
 
+@umask(PRIVATE_UMASK)
 def check(config_path: str | Path, on_event: Callable[[Event], None] | None = None) -> tuple[Path, dict | None]:
     """The distributed health check alone: Ray over the nodes, the check, everything stopped again."""
     cfg = load_config(config_path)
     preflight.check_scheduler(cfg)
+    preflight.check_folders(cfg)
     results = Path(cfg.results_dir).resolve()
-    (results / "logs").mkdir(parents=True, exist_ok=True)
-    record = launch(cfg.model_copy(update={"name": f"{cfg.name}-check"}), results, {CHECK_ONLY_ENV: "1"})
+    key = choose_key(cfg.serve.api_key_env, cfg.serve.insecure_no_api_key)  # unused by a check: removed with it
+    record = launch(cfg.model_copy(update={"name": f"{cfg.name}-check"}), results, key, {CHECK_ONLY_ENV: "1"})
     try:
         result = follow(record, on_event, timeout_s=600)
     finally:
         run_of(record).stop(grace_s=60)  # the driver stops Ray itself after the check; cancel only if it hangs
+        remove_secrets(record.run_dir)
     return result.run_dir, read_json(RunPaths(result.run_dir).health)
 
 
@@ -165,9 +170,12 @@ def _result(record: Record, state: RunState) -> UpResult:
 
 def stop(record: Record, timeout_s: float = 90.0) -> list[int]:
     """Stop a deployment; returns PIDs still alive afterwards (on this machine), which should be none."""
-    if record.kind is RunKind.ENDPOINT:
-        return stop_endpoint(record, timeout_s)
-    return run_of(record).stop(timeout_s)
+    try:
+        if record.kind is RunKind.ENDPOINT:
+            return stop_endpoint(record, timeout_s)
+        return run_of(record).stop(timeout_s)
+    finally:
+        remove_secrets(record.run_dir)  # a stopped deployment keeps no copy of its key or Ray's token
 
 
 def down(name: str, timeout_s: float = 90.0) -> dict:

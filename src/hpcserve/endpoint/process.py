@@ -18,7 +18,7 @@ import traceback
 from pathlib import Path
 
 from hpcserve.core.config import Layout, load_config
-from hpcserve.core.files import write_secret
+from hpcserve.core.files import remove_files, write_secret
 from hpcserve.core.keys import read_api_key
 from hpcserve.core.paths import RunPaths
 from hpcserve.core.statuses import MemberRole, MemberStatus, RunStatus, Stage
@@ -68,13 +68,14 @@ def teardown(ctl: Controller) -> None:
         for member in ctl.members:
             member.status = MemberStatus.GONE
     ctl.router.stop()
+    remove_files([RunPaths(ctl.run_dir).router_key])  # the router's copy of the key: no router, no copy
     ctl.save()
 
 
 def run(run_dir: Path) -> int:
     paths = RunPaths(run_dir)
     cfg = load_config(paths.config)
-    api_key = os.environ.get(cfg.serve.api_key_env or "", "") or read_api_key(run_dir)
+    api_key = read_api_key(run_dir)  # the run folder's copy, written by `up` before this process started
     key_file = write_secret(paths.router_key, api_key) if api_key else None  # never on a command line
     router = Router(cfg.serve.host, cfg.serve.port, key_file, paths.router_log, model=cfg.model.name)
     ctl = Controller(cfg, run_dir, router, api_key)

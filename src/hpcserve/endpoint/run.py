@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hpcserve.core.config import DeploymentConfig
+from hpcserve.core.keys import ApiKey
 from hpcserve.core.registry import Record
 from hpcserve.core.runstate import RunState
 from hpcserve.core.statuses import RunKind
@@ -16,8 +17,8 @@ from hpcserve.endpoint.router import stop_router
 CONTROLLER_MODULE = "hpcserve.endpoint.process"
 
 
-def start_endpoint(cfg: DeploymentConfig, results: Path) -> Record:
-    return LocalRun.start(cfg, results, CONTROLLER_MODULE, RunKind.ENDPOINT, {}).record
+def start_endpoint(cfg: DeploymentConfig, results: Path, key: ApiKey) -> Record:
+    return LocalRun.start(cfg, results, CONTROLLER_MODULE, RunKind.ENDPOINT, key, {}).record
 
 
 def stop_endpoint(record: Record, timeout_s: float) -> list[int]:
