@@ -29,8 +29,9 @@ from hpcserve.core.errors import (
     StageError,
     UsageError,
 )
-from hpcserve.core.files import exclusive, read_json
-from hpcserve.core.keys import key_source, read_api_key
+from hpcserve.core.files import exclusive, read_json, read_secret
+from hpcserve.core.keys import choose_key, key_source, read_api_key, remove_secrets
+from hpcserve.core.osenv import PRIVATE_UMASK, umask
 from hpcserve.core.paths import RunPaths
 from hpcserve.core.registry import Record, forget, list_names, load_record, save_record
 from hpcserve.core.runstate import RunState, read_timeline
@@ -92,7 +93,7 @@ def prepare(config: str | Path | DeploymentConfig) -> tuple[DeploymentConfig, st
         raise UsageError(f"a deployment named '{cfg.name}' is already running: `hpcserve down {cfg.name}` "
                          "first, or change 'name' in the config")
     preflight.check_scheduler(cfg)
-    preflight.check_api_key(cfg)
+    preflight.check_folders(cfg)  # nobody else can plant files where the run's processes read them
     model_path = preflight.resolve_model_path(cfg)
     preflight.check_weights_here(cfg, model_path)  # local scheduler: the weights must be here to serve
     model_config = preflight.model_config_for(cfg, model_path)
@@ -121,6 +122,7 @@ def handover_room(cfg: DeploymentConfig, model_path: str, layout: Layout | None)
                                     (measured.seconds, measured.basis) if measured else None)
 
 
+@umask(PRIVATE_UMASK)  # run folders, their files and the registry's records: for their owner alone
 def up(config_path: str | Path | DeploymentConfig, on_event: Callable[[Event], None] | None = None,
        timeout_s: float | None = None) -> UpResult:
     """Start the deployment; an endpoint of this name whose controller is gone while its router or
@@ -130,9 +132,9 @@ def up(config_path: str | Path | DeploymentConfig, on_event: Callable[[Event], N
         return adopt(cfg.name, cfg, on_event)
     cfg, _ = prepare(config_path)
     results = Path(cfg.results_dir).resolve()
-    (results / "logs").mkdir(parents=True, exist_ok=True)
+    key = choose_key(cfg.serve.api_key_env, cfg.serve.insecure_no_api_key)  # every deployment has one
     started = time.monotonic()
-    record = start_endpoint(cfg, results) if cfg.serve.router else launch(cfg, results)
+    record = start_endpoint(cfg, results, key) if cfg.serve.router else launch(cfg, results, key)
     save_record(record)
     try:
         result = follow(record, on_event, timeout_s or cfg.engine.startup_timeout_s + 600)
@@ -148,17 +150,20 @@ def up(config_path: str | Path | DeploymentConfig, on_event: Callable[[Event], N
     return result
 
 
+@umask(PRIVATE_UMASK)
 def check(config_path: str | Path, on_event: Callable[[Event], None] | None = None) -> tuple[Path, dict | None]:
     """The distributed health check alone: Ray over the nodes, the check, everything stopped again."""
     cfg = load_config(config_path)
     preflight.check_scheduler(cfg)
+    preflight.check_folders(cfg)
     results = Path(cfg.results_dir).resolve()
-    (results / "logs").mkdir(parents=True, exist_ok=True)
-    record = launch(cfg.model_copy(update={"name": f"{cfg.name}-check"}), results, {CHECK_ONLY_ENV: "1"})
+    key = choose_key(cfg.serve.api_key_env, cfg.serve.insecure_no_api_key)  # unused by a check: removed with it
+    record = launch(cfg.model_copy(update={"name": f"{cfg.name}-check"}), results, key, {CHECK_ONLY_ENV: "1"})
     try:
         result = follow(record, on_event, timeout_s=600)
     finally:
         run_of(record).stop(grace_s=60)  # the driver stops Ray itself after the check; cancel only if it hangs
+        remove_secrets(record.run_dir)
     return result.run_dir, read_json(RunPaths(result.run_dir).health)
 
 
@@ -215,6 +220,7 @@ def adoptable(name: str) -> bool:
     return record.kind is RunKind.ENDPOINT and not is_running(record) and inspect_endpoint(record).survivors
 
 
+@umask(PRIVATE_UMASK)  # the new controller's files, like up's
 def adopt(name: str, config: str | Path | DeploymentConfig | None = None,
           on_event: Callable[[Event], None] | None = None, timeout_s: float = ADOPT_TIMEOUT_S) -> UpResult:
     """A new controller for endpoint `name` whose controller is gone: it adopts the router (or starts one
@@ -282,7 +288,7 @@ def check_same_key(running: DeploymentConfig, run_dir: str) -> None:
     variable = running.serve.api_key_env
     given = os.environ.get(variable or "", "")
     key_file = RunPaths(Path(run_dir)).router_key
-    if given and key_file.is_file() and given != key_file.read_text().strip():
+    if given and key_file.is_file() and given != read_secret(key_file):
         raise UsageError(f"${variable} holds another key than the one the running endpoint checks: adopting "
                          f"with it would lock clients out. Export the key it was started with, or unset "
                          f"{variable} (the running key is read from the run folder)")
@@ -292,9 +298,12 @@ def check_same_key(running: DeploymentConfig, run_dir: str) -> None:
 
 def stop(record: Record, timeout_s: float = 90.0) -> list[int]:
     """Stop a deployment; returns PIDs still alive afterwards (on this machine), which should be none."""
-    if record.kind is RunKind.ENDPOINT:
-        return stop_endpoint(record, timeout_s)
-    return run_of(record).stop(timeout_s)
+    try:
+        if record.kind is RunKind.ENDPOINT:
+            return stop_endpoint(record, timeout_s)
+        return run_of(record).stop(timeout_s)
+    finally:
+        remove_secrets(record.run_dir)  # a stopped deployment keeps no copy of its key or Ray's token
 
 
 def down(name: str, timeout_s: float = 90.0) -> dict:

@@ -50,7 +50,14 @@ CASES = {
     "bad-slurm-time": (variant(cluster__time="1h"), "'cluster.time' = '1h': not a Slurm time"),
     "ray-on-cpu": (variant(engine__executor="ray"), "engine.executor 'ray' needs GPUs"),
     "api-key-in-args": (variant(engine__args=["--api-key", "secret"]), "--api-key would show in process lists"),
-    "open-host-without-key": (variant(serve__host="0.0.0.0", serve__api_key_env=None), "'serve.api_key_env' is not set"),
+    "api-key-with-underscore": (variant(engine__args=["--api_key=secret"]), "--api-key would show in process lists"),
+    "api-key-in-group-args": (variant(replica_groups=[{"engine_args": ["--api-k", "s"]}]),
+                              "'replica_groups.0.engine_args' = ['--api-k', '***']: --api-key would show"),
+    "secret-in-engine-env": (variant(engine__env={"HF_TOKEN": "hf_x"}),
+                             "'engine.env' = {'HF_TOKEN': '***'}: HF_TOKEN looks like a secret"),
+    "no-key-off-loopback": (variant(serve__host="0.0.0.0", serve__api_key_env=None, serve__insecure_no_api_key=True),
+                            "serve.insecure_no_api_key leaves every engine open"),
+    "no-key-and-a-key": (variant(serve__insecure_no_api_key=True), "serve.insecure_no_api_key and serve.api_key_env"),
     "unknown-builtin": (variant(model__path="builtin:gpt-9"), "unknown builtin model"),
     "autoscale-without-slurm": (variant(autoscale={"min": 1, "max": 2}), "autoscale adds and removes Slurm jobs"),
     "groups-without-router": (variant(replica_groups=[{"replicas": 1}], serve__router=False),
@@ -104,6 +111,22 @@ def test_port_in_use_is_refused(tmp_path, hpcserve_home):
     assert registry(hpcserve_home) == registered
 
 
+def test_a_results_folder_others_can_write_is_refused(tmp_path, hpcserve_home):
+    """Issue 15: a group- or world-writable results folder lets others plant config.yaml or Ray's token."""
+    project = tmp_path / "project"
+    project.mkdir()
+    project.chmod(0o777)
+    config = tmp_path / "open.yaml"
+    config.write_text(variant(results_dir=str(project / "results")))
+    registered = registry(hpcserve_home)
+    result = run_cli("up", str(config), timeout=120)
+    message = " ".join(result.stderr.split())
+    assert result.returncode == 2 and "Traceback" not in result.stderr and result.stderr.count("error:") == 1
+    assert f"results_dir {project / 'results'}: {project} every user can write into it" in message
+    assert "Set results_dir to a folder only you can write" in message
+    assert not (project / "results").exists() and registry(hpcserve_home) == registered  # nothing started
+
+
 def test_missing_file_and_bad_arguments(tmp_path):
     missing = run_cli("up", str(tmp_path / "nope.yaml"))
     assert missing.returncode == 2 and "no such file" in missing.stderr and "Traceback" not in missing.stderr
@@ -128,3 +151,33 @@ def test_layout_problem_is_pure_and_explains():
     assert layout_problem(Layout(tensor=4, pipeline=2), gpu) is None
     assert "multiple of the GPUs per node" in layout_problem(Layout(tensor=3, pipeline=2), gpu)
     assert "needs 16 workers" in layout_problem(Layout(tensor=8, pipeline=2), gpu)
+
+
+@pytest.mark.parametrize("name,secret", [("HF_TOKEN", True), ("WANDB_API_KEY", True), ("DB_PASSWORD", True),
+                                         ("AWS_SECRET_ACCESS_KEY", True), ("OPENAI_APIKEY", True),
+                                         ("hf_token", True), ("HF_TOKEN_PATH", False), ("KEY_FILE", False),
+                                         ("TOKENIZERS_PARALLELISM", False), ("VLLM_MAX_TOKENS", False),
+                                         ("VLLM_CPU_KVCACHE_SPACE", False), ("OMP_NUM_THREADS", False)])
+def test_secret_looking_variable_names(name, secret):
+    from hpcserve.core.config import looks_secret
+
+    assert looks_secret(name) is secret
+
+
+@pytest.mark.parametrize("arg,is_key", [("--api-key", True), ("--api-key=x", True), ("--api_key", True),
+                                        ("--api_key=x", True), ("--api-k", True), ("--api-ke=x", True),
+                                        ("--api-server-count", False), ("--api", False), ("--middleware", False),
+                                        ("api-key", False)])
+def test_every_spelling_vllm_reads_as_api_key(arg, is_key):
+    from hpcserve.core.config import is_api_key_option
+
+    assert is_api_key_option(arg) is is_key
+
+
+def test_errors_never_quote_a_secret():
+    from hpcserve.core.config import redacted
+
+    assert redacted(["engine", "env"], {"HF_TOKEN": "hf_x", "A": "b"}) == {"HF_TOKEN": "***", "A": "***"}
+    assert redacted(["engine", "args"], ["--api-key", "s", "--x", "--api_key=t"]) == ["--api-key", "***", "--x",
+                                                                                      "--api_key=***"]
+    assert redacted(["serve", "port"], 70000) == 70000

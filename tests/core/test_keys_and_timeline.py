@@ -1,19 +1,29 @@
-"""Pure pieces of the run folder: where a deployment's API key is found, and where `up`'s time went."""
+"""Pure pieces of the run folder: every deployment's API key, where it is found and removed, and where `up`'s
+time went."""
 
 from __future__ import annotations
+
+import os
+import stat
 
 import pytest
 
 from hpcserve.benchmark.bench import unauthorized_message
-from hpcserve.core.errors import UsageError
-from hpcserve.core.keys import key_variable, read_api_key
+from hpcserve.core.errors import UnsafePathError, UsageError
+from hpcserve.core.files import create_secret, write_secret
+from hpcserve.core.folders import private_dir
+from hpcserve.core.keys import ApiKey, choose_key, handed_on, key_variable, read_api_key, remove_secrets, store_key
 from hpcserve.core.paths import RunPaths
 from hpcserve.core.timeline import breakdown_line, stage_breakdown
 
 
+def mode_of(path) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
 def test_generated_key_comes_from_its_file(tmp_path):
     paths = RunPaths(tmp_path)
-    paths.api_key.write_text("generated-key\n")
+    create_secret(paths.api_key, "generated-key\n")  # mode 0600: read_api_key refuses a key others may read
     paths.api_key_source.write_text(f"{paths.api_key}\n")
     assert read_api_key(tmp_path, environ={}) == "generated-key"
 
@@ -34,6 +44,37 @@ def test_no_key_configured(tmp_path):
     RunPaths(tmp_path).api_key_source.write_text("none\n")
     assert read_api_key(tmp_path, environ={}) is None
     assert read_api_key(tmp_path / "missing", environ={}) is None
+
+
+def test_every_deployment_has_a_key_unless_it_says_so_loudly():
+    assert choose_key("MY_KEY", False, {"MY_KEY": "mine"}) == ApiKey("mine", "$MY_KEY")
+    generated = choose_key("MY_KEY", False, {"MY_KEY": ""})
+    assert generated.source == "generated" and len(generated.value) >= 40
+    assert choose_key(None, False, {}).source == "generated"  # no variable named: generated as well
+    assert choose_key(None, True, {}) == ApiKey(None, "none")
+
+
+def test_a_run_gets_its_own_0600_copy_and_down_removes_every_copy(tmp_path):
+    endpoint = RunPaths(private_dir(tmp_path / "ep", fresh=True))
+    store_key(endpoint.root, ApiKey("k1", "generated"))
+    assert mode_of(endpoint.api_key) == 0o600 and endpoint.api_key_source.read_text() == f"{endpoint.api_key}\n"
+    member = RunPaths(private_dir(endpoint.members / "logs" / "ep-m0-7", fresh=True))
+    store_key(member.root, handed_on(endpoint.root, "k1"))
+    assert read_api_key(member.root, environ={}) == "k1"
+    assert member.api_key_source.read_text().strip() == str(endpoint.api_key)
+    write_secret(endpoint.router_key, "k1")
+    create_secret(member.ray_token, "t")
+    removed = remove_secrets(endpoint.root)
+    assert set(removed) == {endpoint.api_key, endpoint.router_key, member.api_key, member.ray_token}
+    assert not any(p.exists() for p in removed)
+
+
+def test_a_planted_key_file_is_refused(tmp_path):
+    paths = RunPaths(tmp_path)
+    paths.api_key.write_text("theirs")
+    paths.api_key.chmod(0o644)
+    with pytest.raises(UnsafePathError):
+        read_api_key(tmp_path, environ={})
 
 
 def test_unauthorized_message_names_the_option():

@@ -28,7 +28,7 @@ from router_fixtures import start_stub, stop
 
 from hpcserve import api
 from hpcserve.core.files import write_json, write_secret
-from hpcserve.core.keys import store_key
+from hpcserve.core.keys import ApiKey, store_key
 from hpcserve.core.registry import Record, load_record, save_record
 from hpcserve.core.runstate import RunState
 from hpcserve.core.statuses import MemberRole, MemberStatus, RunKind, RunStatus, Stage
@@ -68,7 +68,7 @@ def orphan(hpcserve_home, tmp_path, monkeypatch):
     run_dir = tmp_path / "results" / "logs" / f"{NAME}-endpoint"
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(api.load_config(config).model_dump(mode="json")))
-    store_key(run_dir, "HPCSERVE_API_KEY", KEY)
+    store_key(run_dir, ApiKey(KEY, "$HPCSERVE_API_KEY"))
     stubs = [start_stub(name, tmp_path, key=KEY) for name in ("m0", "m1", "stranger")]
     for proc, _ in stubs:  # reaped as soon as `down` stops them (a zombie child would look alive to it)
         threading.Thread(target=proc.wait, daemon=True).start()

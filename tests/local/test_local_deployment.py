@@ -91,6 +91,10 @@ def test_api_key_required(deployment):
     assert httpx.post(deployment["url"] + "/v1/completions", json=body, timeout=30).status_code == 401
     wrong = {"Authorization": "Bearer wrong"}
     assert httpx.post(deployment["url"] + "/v1/completions", json=body, headers=wrong, timeout=30).status_code == 401
+    replica = deployment["status"]["replicas"][0]["url"]  # the engine itself, every route but /health (issue 15)
+    for method, path in (("POST", "/invocations"), ("POST", "/tokenize"), ("GET", "/metrics"), ("GET", "/v1/models")):
+        assert httpx.request(method, replica + path, json=body, timeout=30).status_code == 401, path
+    assert httpx.get(replica + "/health", timeout=30).status_code == 200
 
 
 BENCH = ("--num-prompts", "4", "--concurrency", "2", "--input-len", "16", "--output-len", "4")

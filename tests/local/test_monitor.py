@@ -72,13 +72,18 @@ def browser():
         chromium.close()
 
 
-def families(url: str) -> dict[str, list]:
-    text = httpx.get(url + "/metrics", timeout=10).text
+def key_header(deployment: dict) -> dict[str, str]:
+    """The monitor asks for the deployment's key on loopback too (issue 15)."""
+    return {"Authorization": f"Bearer {deployment['key']}"}
+
+
+def families(url: str, deployment: dict) -> dict[str, list]:
+    text = httpx.get(url + "/metrics", headers=key_header(deployment), timeout=10).text
     return {f.name: f.samples for f in text_string_to_metric_families(text)}
 
 
-def test_metrics_show_the_replica_up_and_vllm_metrics_with_labels(monitor):
-    fams = families(monitor)
+def test_metrics_show_the_replica_up_and_vllm_metrics_with_labels(monitor, deployment):
+    fams = families(monitor, deployment)
     up = fams["hpcserve_replica_up"]
     assert [(s.labels["deployment"], s.labels["replica"], s.value) for s in up] == [(NAME, "0", 1.0)]
     running = fams["vllm:num_requests_running"]
@@ -90,8 +95,8 @@ def test_metrics_show_the_replica_up_and_vllm_metrics_with_labels(monitor):
     assert fams["hpcserve_node_cpu_percent"] and fams["hpcserve_engine_rss_bytes"][0].value > 0
 
 
-def test_api_status_and_watch_view(monitor):
-    status = httpx.get(monitor + "/api/status", timeout=10).json()
+def test_api_status_and_watch_view(monitor, deployment):
+    status = httpx.get(monitor + "/api/status", headers=key_header(deployment), timeout=10).json()
     assert status["deployment"]["status"] == "ready"
     assert [(r["index"], r["up"], r["healthy"]) for r in status["replicas"]] == [(0, True, True)]
     assert status["nodes"] and not status["nodes"][0]["stale"]
@@ -120,9 +125,10 @@ def test_dashboard_shows_the_healthy_replica(monitor, deployment, browser):
     loader = threading.Thread(target=load, args=(deployment, stop), daemon=True)
     loader.start()
     try:
-        page.goto(monitor + "/")
+        page.goto(monitor + f"/#key={deployment['key']}")
         row = page.wait_for_selector('[data-testid="replica-0"]', timeout=30_000)
-        replica_url = httpx.get(monitor + "/api/status", timeout=10).json()["replicas"][0]["url"]
+        replica_url = httpx.get(monitor + "/api/status", headers=key_header(deployment),
+                                timeout=10).json()["replicas"][0]["url"]
         assert replica_url != deployment["url"]  # the replica behind the endpoint, not the endpoint
         assert "healthy" in row.inner_text() and replica_url in row.inner_text()
         page.wait_for_function(  # the generated tok/s cell, once two scrapes saw the counter grow

@@ -82,6 +82,16 @@ def test_submit_writes_the_script_and_returns_the_job_id(tmp_path):
     assert (tmp_path / "results" / "logs").is_dir()   # Slurm would not create it
 
 
+def test_a_held_submission_waits_for_its_release(tmp_path):
+    """`up` submits held, puts the run folder (with the key) in place, then releases (issue 15)."""
+    runner = FakeRunner((["sbatch", "--parsable", "--hold"], reply("41\n")), (["scontrol", "release", "41"], reply()))
+    client = SlurmClient(runner=runner)
+    assert client.submit("#!/bin/bash\n", tmp_path / "work", hold=True) == "41"
+    client.release("41")
+    assert [argv for argv, _ in runner.calls] == [["sbatch", "--parsable", "--hold", str(tmp_path / "work" / "job.sbatch")],
+                                                  ["scontrol", "release", "41"]]
+
+
 def test_submit_rejection_quotes_slurm_and_hints(tmp_path):
     runner = FakeRunner((["sbatch"], captured("sbatch-too-many-gpus")))
     with pytest.raises(SlurmError) as err:

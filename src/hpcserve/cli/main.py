@@ -120,6 +120,9 @@ def up(config: Path = ConfigArg,
                       f"nodes {', '.join(rep['nodes'])}")
     if result.api_key_source and result.api_key_source != "none":
         console.print(f"  API key: {result.api_key_source}  (send it as 'Authorization: Bearer KEY')")
+    else:
+        err.print("[bold red]WARNING: no API key[/] (serve.insecure_no_api_key): every user who reaches "
+                  "this machine's ports uses these engines", highlight=False)
     console.print(f"  results folder: {result.run_dir}")
     if result.answer is not None:
         console.print(f"  answer to 'Hello, my name is': [bold]{result.answer!r}[/]")

@@ -7,14 +7,14 @@ from rich.console import Console
 
 from hpcserve import api
 from hpcserve.core.errors import HpcserveError
-from hpcserve.monitoring.server import MonitorServer, is_loopback
+from hpcserve.monitoring.server import MonitorServer
 
 err = Console(stderr=True)
 
 
 def monitor(name: str = typer.Argument(..., help="deployment name (the 'name' in its config)", show_default=False),
-            host: str = typer.Option("127.0.0.1", help="address to bind; anything but loopback requires the "
-                                     "deployment's API key on /api/status and /metrics"),
+            host: str = typer.Option("127.0.0.1", help="address to bind; /api/status and /metrics require the "
+                                     "deployment's API key on every address, loopback included"),
             port: int = typer.Option(9400, min=0, max=65535, help="port to listen on (0: any free port)")):
     """Serve a live dashboard (/), its JSON (/api/status) and Prometheus metrics (/metrics) for a deployment."""
     try:
@@ -24,9 +24,7 @@ def monitor(name: str = typer.Argument(..., help="deployment name (the 'name' in
     except HpcserveError as exc:
         err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
         raise typer.Exit(exc.exit_code)
-    if is_loopback(host):
-        guard = "loopback: no key asked"
-    elif key:
+    if key:
         guard = "the deployment's API key is required: open /#key=KEY"
     else:
         guard = "WARNING: the deployment has no API key, anyone who can reach this port reads these metrics"

@@ -20,6 +20,7 @@ from pydantic import (
 )
 
 from hpcserve.core.errors import ConfigError
+from hpcserve.core.net import is_loopback
 
 BUILTIN_TINY = "builtin:tiny-llama"
 NAME_PATTERN = r"^[a-z0-9][a-z0-9-]{0,39}$"
@@ -109,16 +110,29 @@ class EngineSpec(Strict):
     @field_validator("args")
     @classmethod
     def _no_secrets_in_args(cls, args: list[str]) -> list[str]:
-        if any(a == "--api-key" or a.startswith("--api-key=") for a in args):
-            raise ValueError("--api-key would show in process lists; set serve.api_key_env instead")
-        return args
+        return checked_engine_args(args)
+
+    @field_validator("env")
+    @classmethod
+    def _no_secrets_in_env(cls, env: dict[str, str]) -> dict[str, str]:
+        secret = next((name for name in env if looks_secret(name)), None)
+        if secret:
+            raise ValueError(f"{secret} looks like a secret, and engine.env is written into the run's config.yaml "
+                             "and job script (and kept by Slurm): put the secret in a file only you can read and "
+                             f"give its path instead (e.g. HF_TOKEN_PATH, or `hf auth login`), or export {secret} "
+                             "before `hpcserve up` (it reaches the job through Slurm's --export=ALL)")
+        return env
 
 
 class ServeSpec(Strict):
     host: str = Field("127.0.0.1", description="address the endpoint binds; 0.0.0.0 on a cluster")
     port: int = Field(8000, ge=1, le=65535)
     api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
-                                    description="name of the environment variable that holds the API key")
+                                    description="name of the environment variable that holds the API key; "
+                                    "unset or empty: hpcserve generates one (run folder, mode 0600)")
+    insecure_no_api_key: bool = Field(False, description="no API key at all: anyone who can reach a port uses "
+                                      "the engines. Only for a machine of your own (scheduler local, loopback "
+                                      "host): every user of a shared machine reaches its loopback")
     expected_concurrency: int | None = Field(None, gt=0, description="requests in flight you expect: the "
                                              "planner scores layouts at this load, not at their capacity")
     router: bool = Field(True, description="one endpoint on serve.port in front of all replicas; false: each "
@@ -182,6 +196,11 @@ class ReplicaGroup(Strict):
     sbatch_extra: list[str] | None = Field(None, description="default: cluster.sbatch_extra")
     engine_args: list[str] = Field(default_factory=list, description="appended to engine.args (the last wins)")
 
+    @field_validator("engine_args")
+    @classmethod
+    def _no_secrets_in_args(cls, args: list[str]) -> list[str]:
+        return checked_engine_args(args)
+
     def layout(self, base: Layout) -> Layout:
         """One replica of this group's shape."""
         return Layout(tensor=self.tensor or base.tensor, pipeline=self.pipeline or base.pipeline, replicas=1)
@@ -225,6 +244,9 @@ class DeploymentConfig(Strict):
                 and self.parallelism.workers_per_replica > 1):
             raise ValueError("engine.executor 'uni' runs a replica in one process: it needs tensor x pipeline = 1 "
                              "(use auto, mp or ray for bigger replicas)")
+        problem = no_key_problem(self.serve, self.cluster)
+        if problem:
+            raise ValueError(problem)
         if self.executor == "ray" and self.cluster.gpus_per_node == 0:
             raise ValueError("engine.executor 'ray' needs GPUs (vLLM on CPU refuses it): use 'mp' or set cluster.gpus_per_node")
         return self
@@ -259,6 +281,51 @@ class DeploymentConfig(Strict):
         return self.cluster.gpus_per_node > 0
 
 
+# vLLM's parser takes --api_key for --api-key and any unique prefix of it (--api-k, --api-ke).
+API_KEY_OPTION = "--api-key"
+# Names of variables that hold secrets by convention (HF_TOKEN, WANDB_API_KEY, AWS_SECRET_ACCESS_KEY, ...);
+# names of files holding them (HF_TOKEN_PATH, ..._FILE) carry a path, not the secret.
+SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL")
+PATH_SUFFIXES = ("_PATH", "_FILE", "_DIR")
+
+
+def is_api_key_option(arg: str) -> bool:
+    """Whether vLLM would read this argument as --api-key. Pure."""
+    option = arg.split("=", 1)[0].replace("_", "-")
+    return len(option) >= len("--api-k") and API_KEY_OPTION.startswith(option)
+
+
+def checked_engine_args(args: list[str]) -> list[str]:
+    if any(is_api_key_option(a) for a in args):
+        raise ValueError("--api-key would show in process lists; hpcserve gives every engine the deployment's "
+                         "key itself (serve.api_key_env, or a generated one): remove it")
+    return args
+
+
+def looks_secret(name: str) -> bool:
+    """A variable name that by convention holds a secret (not a path to one). Pure.
+
+    Judged word by word (HF_TOKEN, WANDB_API_KEY, DB_PASSWORD, OPENAI_APIKEY), so that
+    TOKENIZERS_PARALLELISM or VLLM_MAX_TOKENS are not taken for secrets."""
+    upper = name.upper()
+    if upper.endswith(PATH_SUFFIXES):
+        return False
+    return any(part.endswith(word) for part in upper.split("_") for word in SECRET_WORDS)
+
+
+def no_key_problem(serve: ServeSpec, cluster: ClusterSpec) -> str | None:
+    """serve.insecure_no_api_key is for a machine of one's own only. Pure."""
+    if not serve.insecure_no_api_key:
+        return None
+    if serve.api_key_env:
+        return "serve.insecure_no_api_key and serve.api_key_env contradict each other: remove one"
+    if cluster.scheduler != "local" or not is_loopback(serve.host):
+        return ("serve.insecure_no_api_key leaves every engine open to anyone who reaches its port: it is only "
+                "allowed with cluster.scheduler 'local' and a loopback serve.host, on a machine of your own. "
+                "Remove it (hpcserve then generates a key)")
+    return None
+
+
 def slots_per_node(cluster: ClusterSpec) -> int:
     """Engine workers one node can hold: one per GPU, or one per core on CPU nodes."""
     return cluster.gpus_per_node or cluster.cpus_per_node
@@ -288,7 +355,14 @@ def load_config(path: str | Path) -> DeploymentConfig:
     if not path.is_file():
         raise ConfigError(f"{path}: no such file. Pass the path of a deployment YAML, e.g. examples/local.yaml")
     try:
-        raw = yaml.safe_load(path.read_text())
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}): is it the deployment YAML? Save it as "
+                          "UTF-8") from None
+    try:
+        raw = yaml.safe_load(text)
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply to be a deployment file: check its brackets") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -310,7 +384,7 @@ def parse_config(raw: dict[str, Any], source: str = "config") -> DeploymentConfi
 def format_error(err: dict[str, Any], raw: dict[str, Any]) -> str:
     """One line: field, bad value, what is wrong and how to fix it."""
     loc = [str(p) for p in err["loc"] if not _is_union_tag(p)]
-    field = ".".join(loc) or "(top level)"
+    field = ".".join(_printable(part) for part in loc) or "(top level)"
     if err["type"] == "extra_forbidden":
         parent = _model_at(loc[:-1])
         valid = ", ".join(parent.model_fields) if parent else "see the docs"
@@ -319,8 +393,24 @@ def format_error(err: dict[str, Any], raw: dict[str, Any]) -> str:
         return f"'{field}' is required: add it (see examples/local.yaml)"
     message = err["msg"].removeprefix("Value error, ")
     if loc:
-        return f"'{field}' = {_short(err.get('input'))}: {message}"
+        return f"'{field}' = {_short(redacted(loc, err.get('input')))}: {message}"
     return message
+
+
+def redacted(loc: list[str], value: Any) -> Any:
+    """The value an error quotes, with what may be a secret masked (engine.env's values, an --api-key's
+    value): errors end up in terminals, CI logs and issue reports. Pure."""
+    if loc[-1:] == ["env"] and isinstance(value, dict):
+        return {name: "***" for name in value}
+    if loc[-1:] in (["args"], ["engine_args"]) and isinstance(value, list):
+        masked, hide_next = [], False
+        for arg in value:
+            text = str(arg)
+            masked.append("***" if hide_next else (text.split("=", 1)[0] + "=***" if "=" in text and
+                                                    is_api_key_option(text) else arg))
+            hide_next = is_api_key_option(text) and "=" not in text
+        return masked
+    return value
 
 
 def _is_union_tag(part: Any) -> bool:
@@ -328,17 +418,29 @@ def _is_union_tag(part: Any) -> bool:
 
 
 def _model_at(loc: list[str]) -> type[BaseModel] | None:
+    """The schema model at this place of the file (list items: their element's model)."""
     model: type[BaseModel] = DeploymentConfig
     for part in loc:
+        if part.isdigit():  # an item of a list of models (replica_groups.0)
+            continue
         field = model.model_fields.get(part)
         if field is None:
             return None
-        annotation = field.annotation
-        candidates = getattr(annotation, "__args__", (annotation,))
-        model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        model = _model_in(field.annotation)
         if model is None:
             return None
     return model
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next((m for m in map(_model_in, getattr(annotation, "__args__", ())) if m is not None), None)
+
+
+def _printable(text: str) -> str:
+    """A key as an error can show it on one line (a control character in a key would break the line)."""
+    return text if text.isprintable() else repr(text)[1:-1]
 
 
 def _short(value: Any) -> str:

@@ -6,7 +6,8 @@ HpcserveError
 ├── CommandError         an external command (sbatch, squeue, ray, ...) failed; quotes its output
 │   └── SlurmError
 ├── StageError           a deployment stage failed; names the stage, the diagnosis, the log to read
-└── NotFoundError        no deployment of that name
+├── NotFoundError        no deployment of that name
+└── UnsafePathError      a folder or secret that other users could write, plant or read (exit code 2)
 """
 
 from __future__ import annotations
@@ -61,3 +62,10 @@ class StageError(HpcserveError):
         if log:
             text += f"\nRead: {log}"
         super().__init__(text)
+
+
+class UnsafePathError(HpcserveError):
+    """A folder others can write into, a secret file that is not ours alone, a link where a file should be:
+    refused before anything starts (another user of a shared cluster could plant what hpcserve would run)."""
+
+    exit_code = 2

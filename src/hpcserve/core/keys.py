@@ -1,16 +1,25 @@
-"""The endpoint's API key: where `up` put it, and finding it again."""
+"""The endpoint's API key: chosen at `up`, handed to every process that needs it through 0600 files in
+the run folders (never a command line, a script or a job's environment), found again by clients, and
+removed with the deployment.
+
+Every deployment has a key: the value of serve.api_key_env when that variable is set, else a generated
+one. The only exception is the loudly named serve.insecure_no_api_key, for a laptop.
+"""
 
 from __future__ import annotations
 
 import os
 import secrets
-import stat
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
-from hpcserve.core.errors import UsageError
-from hpcserve.core.files import write_secret, write_text
+from hpcserve.core.errors import UnsafePathError, UsageError
+from hpcserve.core.files import create_secret, read_secret, remove_files, write_text
 from hpcserve.core.paths import RunPaths
+
+GENERATED = "generated"
+NO_KEY = "none"
 
 
 def new_key() -> str:
@@ -23,34 +32,57 @@ def bearer(api_key: str | None) -> dict[str, str]:
 
 
 def read_key_file(path: Path) -> str:
-    """A key from a file that only its owner may read (the data plane's, never a command line). Raises
-    ValueError with the reason and the fix."""
-    mode = Path(path).stat().st_mode
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ValueError(f"{path} is readable by others (mode {oct(mode & 0o777)}): chmod 600 it")
-    key = Path(path).read_text().strip()
+    """A key from a file that is ours alone (the data plane's, never a command line). Raises ValueError
+    with the reason and the fix."""
+    try:
+        key = read_secret(path)
+    except UnsafePathError as exc:
+        raise ValueError(str(exc)) from None
     if not key:
         raise ValueError(f"{path} is empty")
     return key
 
 
-def store_key(run_dir: Path, variable: str | None, generated: str | None) -> None:
-    """A generated key goes into a file only we can read; api_key_source says where clients find it."""
+@dataclass(frozen=True)
+class ApiKey:
+    """A deployment's key and where its user finds it: "$NAME" (their variable), "generated" (the run
+    folder's api_key file), "none" (insecure_no_api_key), or the source line of the endpoint a member
+    serves (members get a copy of their endpoint's key)."""
+
+    value: str | None
+    source: str
+
+
+def choose_key(variable: str | None, insecure_no_key: bool, environ: Mapping[str, str] = os.environ) -> ApiKey:
+    """The key a new deployment is guarded with: the variable's value when it is set, else a new one."""
+    if insecure_no_key:
+        return ApiKey(None, NO_KEY)
+    if variable and environ.get(variable):
+        return ApiKey(environ[variable], f"${variable}")
+    return ApiKey(new_key(), GENERATED)
+
+
+def store_key(run_dir: Path, key: ApiKey) -> None:
+    """The key into a new 0600 file of the run folder (what the run's processes read), and api_key_source:
+    where clients find it (the file for a generated key, else the variable)."""
     paths = RunPaths(run_dir)
-    if generated:
-        write_secret(paths.api_key, generated)
-        source = str(paths.api_key)
-    else:
-        source = f"${variable}" if variable else "none"
+    if key.value:
+        create_secret(paths.api_key, key.value)
+    source = str(paths.api_key) if key.source == GENERATED else key.source
     write_text(paths.api_key_source, source + "\n")
 
 
+def handed_on(run_dir: str | Path, value: str | None) -> ApiKey:
+    """The key of this run as it is handed to a run it starts (an endpoint's member)."""
+    return ApiKey(value, key_source(run_dir) or NO_KEY)
+
+
 def read_api_key(run_dir: str | Path, environ: Mapping[str, str] = os.environ) -> str | None:
-    """The key clients send to the deployment of this run folder, found the way `up` stored it: the
-    generated file (mode 0600), else the environment variable that api_key_source names ($NAME)."""
+    """The key clients send to the deployment of this run folder: its api_key file (ours alone, mode
+    0600), else the environment variable that api_key_source names ($NAME)."""
     path = RunPaths(Path(run_dir)).api_key
-    if path.is_file():
-        return path.read_text().strip()
+    if os.path.lexists(path):
+        return read_secret(path)
     variable = key_variable(run_dir)
     if variable is None:
         return None
@@ -73,3 +105,16 @@ def key_source(run_dir: str | Path) -> str | None:
     """What `up` tells users about the key: the file, $VARIABLE, or none."""
     path = RunPaths(Path(run_dir)).api_key_source
     return path.read_text().strip() if path.exists() else None
+
+
+def secret_files(run_dir: str | Path) -> list[Path]:
+    """Every secret hpcserve writes into a run folder and its members' (keys, the router's, Ray's token)."""
+    paths = RunPaths(Path(run_dir))
+    folders = [paths, *(RunPaths(p) for p in paths.member_run_dirs())]
+    return [f for p in folders for f in (p.api_key, p.router_key, p.ray_token)]
+
+
+def remove_secrets(run_dir: str | Path) -> list[Path]:
+    """A stopped deployment keeps no key: its copies in the run folders are removed (the user's own
+    variable, if the key came from one, is theirs). Returns the files that were there."""
+    return remove_files(secret_files(run_dir))

@@ -1,4 +1,4 @@
-"""Process environment helpers."""
+"""Process environment helpers: variables and umask, set for a block and restored."""
 
 from __future__ import annotations
 
@@ -8,10 +8,15 @@ from contextlib import contextmanager
 
 
 @contextmanager
-def environment_variables(values: Mapping[str, str]) -> Iterator[None]:
-    """Set these variables for the duration of the block, then restore what was there (also on errors)."""
+def environment_variables(values: Mapping[str, str | None]) -> Iterator[None]:
+    """Set these variables (None: unset them) for the duration of the block, then restore what was there
+    (also on errors)."""
     saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
+    for key, value in values.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
     try:
         yield
     finally:
@@ -20,3 +25,19 @@ def environment_variables(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+# Files and folders hpcserve's processes create are for their owner alone: run folders, logs (which name
+# hosts, ports and prompts in errors), keys, Ray's sockets. Everything hpcserve starts runs with it.
+PRIVATE_UMASK = 0o077
+
+
+@contextmanager
+def umask(mask: int) -> Iterator[None]:
+    """This process's umask for the duration of the block (what sbatch hands on to the job, and the mode
+    of files opened meanwhile), then the previous one."""
+    previous = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(previous)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from hpcserve.core.errors import NotFoundError
 from hpcserve.core.files import write_json
+from hpcserve.core.folders import check_not_shared, private_dir
 from hpcserve.core.statuses import RunKind
 
 
@@ -45,12 +46,23 @@ class Record:
         return asdict(self)
 
 
+HOME_FIX = ("Set HPCSERVE_HOME to a folder only you can write (the default is ~/.local/state/hpcserve), or "
+            "remove the others' write permission (chmod go-w FOLDER)")
+
+
+def check_home() -> Path:
+    """The registry's folder, refused when others can write into it: a record names the run folder whose
+    files hpcserve trusts and the PIDs `down` stops."""
+    check_not_shared(home(), "HPCSERVE_HOME", HOME_FIX)
+    return home()
+
+
 def registry_dir() -> Path:
-    return home() / "deployments"
+    return check_home() / "deployments"
 
 
 def save_record(record: Record) -> None:
-    registry_dir().mkdir(parents=True, exist_ok=True)
+    private_dir(registry_dir())
     write_json(registry_dir() / f"{record.name}.json", record.to_dict())
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -24,7 +25,8 @@ from pathlib import Path
 import psutil
 
 from hpcserve.core.config import DeploymentConfig, load_config
-from hpcserve.core.errors import StageError
+from hpcserve.core.errors import StageError, UnsafePathError
+from hpcserve.core.folders import private_dir
 from hpcserve.core.keys import read_api_key
 from hpcserve.core.paths import RunPaths
 from hpcserve.core.runstate import RunStateWriter
@@ -53,6 +55,11 @@ def job_nodes(local: bool) -> list[str]:
 
 
 def run(run_dir: Path) -> int:
+    try:
+        private_dir(run_dir)  # ours, no link, closed to others: else nothing in it can be trusted
+    except UnsafePathError as exc:
+        print(f"hpcserve driver: {exc}", file=sys.stderr)
+        return 2
     paths = RunPaths(run_dir)
     cfg = load_config(paths.config)
     writer = RunStateWriter(run_dir)
@@ -129,7 +136,7 @@ def start_engines(cfg: DeploymentConfig, parts: Deployment, run_dir: Path, write
     loader = choose(cfg.engine.load_format, cfg.engine.args, cfg.on_gpu)
     writer.begin("engine", f"{layout.replicas} replica(s) of tensor {layout.tensor} x pipeline {layout.pipeline}; "
                  f"weights: {loader.reason}")
-    api_key = os.environ.get(cfg.serve.api_key_env or "", "") or read_api_key(run_dir)
+    api_key = engine_key(cfg, run_dir)
     replicas = ReplicaSet(cfg, layout, model_path, run_dir, api_key, parts.cluster.ports.engine_master,
                           parts.cluster.gcs_address, load_format_args(loader))
     parts.replicas = replicas  # torn down even if it fails half-way
@@ -137,6 +144,15 @@ def start_engines(cfg: DeploymentConfig, parts: Deployment, run_dir: Path, write
     for proc in replicas.processes():
         parts.samplers[proc.hostname].watch.remote([proc.pid])
     writer.update(replicas=replica_rows(replicas, cfg, healthy=False))
+
+
+def engine_key(cfg: DeploymentConfig, run_dir: Path) -> str | None:
+    """The key every engine requires: the run folder's copy, written before this driver started."""
+    key = read_api_key(run_dir)
+    if key is None and not cfg.serve.insecure_no_api_key:
+        raise StageError("engine", f"no API key in {RunPaths(run_dir).api_key}: `hpcserve up` writes it there "
+                         "before the driver starts, and engines never run without one", str(run_dir))
+    return key
 
 
 def wait_engines_ready(cfg: DeploymentConfig, replicas, writer: RunStateWriter) -> None:

@@ -11,7 +11,9 @@ from pathlib import Path
 
 from hpcserve.core.config import BUILTIN_TINY, DeploymentConfig, Layout
 from hpcserve.core.errors import ConfigError
+from hpcserve.core.folders import check_not_shared
 from hpcserve.core.net import is_loopback, port_free
+from hpcserve.core.registry import check_home
 from hpcserve.models.tiny import tiny_model_path
 from hpcserve.planning.catalog import lookup, resolve_config
 from hpcserve.planning.planner import layout_for
@@ -75,11 +77,14 @@ def check_weights_here(cfg: DeploymentConfig, model_path: str) -> None:
                           "(model.catalog lets `hpcserve plan` run without them)")
 
 
-def check_api_key(cfg: DeploymentConfig) -> None:
-    if cfg.serve.api_key_env is None and not is_loopback(cfg.serve.host):
-        raise ConfigError(f"'serve.host' = {cfg.serve.host!r} lets other users reach the endpoint, but "
-                          "'serve.api_key_env' is not set: name an environment variable holding the key "
-                          "(hpcserve generates one if the variable is empty)")
+RESULTS_FIX = ("Set results_dir to a folder only you can write (under your home, or $SCRATCH/$USER), or remove "
+               "the others' write permission (chmod go-w FOLDER)")
+
+
+def check_folders(cfg: DeploymentConfig) -> None:
+    """results_dir and HPCSERVE_HOME: nobody else may write into them (UnsafePathError, exit code 2)."""
+    check_not_shared(Path(cfg.results_dir), "results_dir", RESULTS_FIX)
+    check_home()
 
 
 def check_port(cfg: DeploymentConfig, replicas: int) -> None:

@@ -4,6 +4,7 @@ folder (never a bare traceback), and what it started torn down whatever happened
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import traceback
@@ -11,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hpcserve.core.errors import HpcserveError, StageError
+from hpcserve.core.osenv import PRIVATE_UMASK
 from hpcserve.core.runstate import RunStateWriter
 from hpcserve.core.statuses import RunStatus, Stage
 
@@ -60,4 +62,5 @@ def run_to_end(writer: RunStateWriter, body: Callable[[], None], teardown: Calla
 def process_main(run: Callable[[Path], int], module: str) -> None:
     if len(sys.argv) != 2:
         sys.exit(f"usage: python -m {module} RUN_DIR")
+    os.umask(PRIVATE_UMASK)  # what it and its children (Ray, engines, the router) write is for us alone
     sys.exit(run(Path(sys.argv[1]).resolve()))

@@ -3,18 +3,23 @@
     LocalRun   a detached process on this machine (the driver in local mode, or an endpoint's controller)
     SlurmRun   a Slurm batch job whose script execs the driver
 
-    launch(cfg, results)   start a driver (here or as a job); returns the Record that finds it again
+    launch(cfg, results, key)   start a driver (here or as a job); returns the Record that finds it again
     run_of(record)         the LocalRun or SlurmRun a registered record names
     expected_start(cfg)    when Slurm would start its job if submitted now (nothing is queued)
     run.gone()             why it can no longer make progress (process exited, job ended), else None
     run.stop()             orderly stop (SIGTERM: it stops what it started), then by recorded PID
     LocalRun.restart(record, module)   a new process in the same run folder (an endpoint's controller
                            adopting what its lost predecessor left running)
+
+Each run gets a new folder of its own (mode 0700) with its config and its copy of the API key (0600), all
+in place before its process starts: the key reaches the driver as a file, never through a command line,
+a script or a Slurm job's environment (which slurmctld keeps, and slurmdbd with AccountingStoreFlags=job_env).
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -28,9 +33,10 @@ import yaml
 
 from hpcserve.core.config import DeploymentConfig
 from hpcserve.core.errors import HpcserveError, SlurmError
-from hpcserve.core.files import write_text
-from hpcserve.core.keys import new_key, store_key
-from hpcserve.core.osenv import environment_variables
+from hpcserve.core.files import write_private_text
+from hpcserve.core.folders import private_dir
+from hpcserve.core.keys import ApiKey, store_key
+from hpcserve.core.osenv import PRIVATE_UMASK, environment_variables, umask
 from hpcserve.core.paths import RunPaths
 from hpcserve.core.registry import Record
 from hpcserve.core.statuses import RunKind
@@ -43,11 +49,11 @@ DRIVER_MODULE = "hpcserve.deployment.driver"
 CHECK_ONLY_ENV = "HPCSERVE_CHECK_ONLY"  # `hpcserve check`: the driver stops after the health stage
 
 
-def launch(cfg: DeploymentConfig, results: Path, extra_env: dict[str, str] | None = None) -> Record:
+def launch(cfg: DeploymentConfig, results: Path, key: ApiKey, extra_env: dict[str, str] | None = None) -> Record:
     """Start a deployment's driver: detached on this machine (local), or as a Slurm batch job."""
     if cfg.cluster.scheduler == "local":
-        return LocalRun.start(cfg, results, DRIVER_MODULE, RunKind.DRIVER, extra_env or {}).record
-    return SlurmRun.submit(cfg, results, extra_env or {}).record
+        return LocalRun.start(cfg, results, DRIVER_MODULE, RunKind.DRIVER, key, extra_env or {}).record
+    return SlurmRun.submit(cfg, results, key, extra_env or {}).record
 
 
 def run_of(record: Record) -> LocalRun | SlurmRun:
@@ -70,20 +76,21 @@ def config_yaml(cfg: DeploymentConfig) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
 
 
-def api_key_env(cfg: DeploymentConfig) -> tuple[dict[str, str], str | None]:
-    """The endpoint's key for the driver's environment (never a command line or a script), and, when
-    the named variable is empty, the key we generate for it (stored for clients by store_key)."""
-    name = cfg.serve.api_key_env
-    if not name or os.environ.get(name):
-        return {}, None
-    key = new_key()
-    return {name: key}, key
-
-
 def new_run_dir(results: Path, name: str) -> Path:
-    run_dir = results / "logs" / name
-    run_dir.mkdir(parents=True)
-    return run_dir
+    """A run's folder: new (a folder already there under a new run's name was put there by someone, or
+    left by an earlier cluster that reused job ids: never taken over) and ours alone (0700)."""
+    return private_dir(private_dir(results / "logs") / name, fresh=True)
+
+
+def without_key_variable(cfg: DeploymentConfig) -> dict[str, None]:
+    """The API key's variable unset for sbatch, whose --export=ALL would copy it into Slurm's records."""
+    return {cfg.serve.api_key_env: None} if cfg.serve.api_key_env else {}
+
+
+def fill_run_dir(paths: RunPaths, cfg: DeploymentConfig, key: ApiKey) -> None:
+    """What a run's process reads at its start: the config and the key, each a new file only we can read."""
+    write_private_text(paths.config, config_yaml(cfg))
+    store_key(paths.root, key)
 
 
 @dataclass
@@ -93,15 +100,13 @@ class LocalRun:
     record: Record
 
     @classmethod
-    def start(cls, cfg: DeploymentConfig, results: Path, module: str, kind: RunKind,
+    def start(cls, cfg: DeploymentConfig, results: Path, module: str, kind: RunKind, key: ApiKey,
               extra_env: dict[str, str]) -> LocalRun:
         tag = "endpoint" if kind is RunKind.ENDPOINT else "local"
         paths = RunPaths(new_run_dir(results, f"{cfg.name}-{tag}-{time.strftime('%Y%m%d-%H%M%S')}"))
-        write_text(paths.config, config_yaml(cfg))
-        key_env, generated = api_key_env(cfg)
-        store_key(paths.root, cfg.serve.api_key_env, generated)
+        fill_run_dir(paths, cfg, key)
         record = Record(name=cfg.name, scheduler=cfg.cluster.scheduler, run_dir=str(paths.root), kind=kind)
-        return cls(record).spawn(module, {**extra_env, **key_env})
+        return cls(record).spawn(module, extra_env)
 
     @classmethod
     def restart(cls, record: Record, module: str, extra_env: dict[str, str]) -> LocalRun:
@@ -111,11 +116,11 @@ class LocalRun:
 
     def spawn(self, module: str, env: dict[str, str]) -> LocalRun:
         """Start `python -m module RUN_DIR` detached (its own session: it outlives this command and its
-        terminal) and record its PID, start time and host."""
-        with open(self.log, "ab") as out:
+        terminal), for its owner alone (umask 077), and record its PID, start time and host."""
+        with umask(PRIVATE_UMASK), open(self.log, "ab") as out:
             process = subprocess.Popen([sys.executable, "-m", module, self.record.run_dir], stdout=out,
                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                                       env={**os.environ, **env})
+                                       env={**os.environ, **env}, umask=PRIVATE_UMASK)
         self.record.driver_pid, self.record.host = process.pid, socket.gethostname()
         self.record.driver_started = psutil.Process(process.pid).create_time()
         return self
@@ -180,23 +185,31 @@ class SlurmRun:
     record: Record
 
     @classmethod
-    def submit(cls, cfg: DeploymentConfig, results: Path, extra_env: dict[str, str]) -> SlurmRun:
+    def submit(cls, cfg: DeploymentConfig, results: Path, key: ApiKey, extra_env: dict[str, str]) -> SlurmRun:
+        """sbatch --hold, the run folder filled (config, key, script), then the job released: when the job
+        starts, what it reads is there, and only we could have put it there."""
         script = render_batch_script(cfg, config_yaml(cfg), sys.executable, results)
-        staging = results / "logs" / f".submit-{cfg.name}-{os.getpid()}"
-        staging.mkdir(parents=True, exist_ok=True)
-        key_env, generated = api_key_env(cfg)
+        staging = private_dir(private_dir(results / "logs") / f".submit-{cfg.name}-{secrets.token_hex(4)}",
+                              fresh=True)
+        client = SlurmClient()
         try:
-            # sbatch exports the submitter's environment (not the script) to the job
-            with environment_variables({**extra_env, **key_env}):
-                job_id = SlurmClient().submit(script, staging)
+            # sbatch exports the submitter's environment and umask to the job: never the key's variable
+            # (the job reads the key from its run folder), the rest as it is (extra_env holds no secret)
+            with environment_variables({**extra_env, **without_key_variable(cfg)}), umask(PRIVATE_UMASK):
+                job_id = client.submit(script, staging, hold=True)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)  # a refused submission leaves nothing behind
             raise
-        paths = RunPaths(results / "logs" / f"{cfg.name}-{job_id}")
-        paths.root.mkdir(parents=True, exist_ok=True)
-        (staging / paths.job_script.name).replace(paths.job_script)
-        staging.rmdir()
-        store_key(paths.root, cfg.serve.api_key_env, generated)
+        try:
+            paths = RunPaths(new_run_dir(results, f"{cfg.name}-{job_id}"))
+            (staging / paths.job_script.name).replace(paths.job_script)
+            staging.rmdir()
+            fill_run_dir(paths, cfg, key)
+            client.release(job_id)
+        except BaseException:
+            _cancel_quietly(client, job_id)  # a held job that cannot be prepared never runs
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
         return cls(Record(name=cfg.name, scheduler="slurm", run_dir=str(paths.root), job_id=job_id))
 
     @property
@@ -253,6 +266,13 @@ class SlurmRun:
             client.cancel(job)
             client.wait_for(job, lambda j: j.state.finished, timeout=60, poll=0.5)
         return []
+
+
+def _cancel_quietly(client: SlurmClient, job_id: str) -> None:
+    try:
+        client.cancel(job_id)
+    except SlurmError:
+        pass  # the original failure is the news
 
 
 def alive(proc: psutil.Process) -> bool:

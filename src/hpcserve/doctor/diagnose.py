@@ -20,8 +20,9 @@ from pathlib import Path
 import yaml
 
 from hpcserve.core.config import BUILTIN_TINY, DeploymentConfig, Layout
-from hpcserve.core.errors import HpcserveError
-from hpcserve.deployment.preflight import resolve_model_path, weight_bytes
+from hpcserve.core.errors import HpcserveError, UnsafePathError
+from hpcserve.core.folders import others_can_write, private_dir
+from hpcserve.deployment.preflight import RESULTS_FIX, resolve_model_path, weight_bytes
 from hpcserve.doctor.checks import (
     SINFO_FORMAT,
     Captured,
@@ -92,8 +93,14 @@ def run_doctor(cfg: DeploymentConfig, python: str = sys.executable, runner: Runn
 def make_results_folder(results: Path) -> list[Finding]:
     """`up` creates RESULTS/logs before submitting (Slurm does not create its output folder); so does
     the doctor, so that the nodes' view of it can be checked and containers can bind it."""
+    shared = others_can_write(results)
+    if shared:
+        folder, problem = shared
+        return [blocker("results", f"{folder} {problem}: others could plant the files hpcserve runs", RESULTS_FIX)]
     try:
-        (results / "logs").mkdir(parents=True, exist_ok=True)
+        private_dir(results / "logs")
+    except UnsafePathError as exc:
+        return [blocker("results", str(exc), RESULTS_FIX)]
     except OSError as exc:
         return [blocker("results", f"cannot create {results / 'logs'}: {exc.strerror}",
                         "set results_dir to a folder you can write on the shared filesystem")]

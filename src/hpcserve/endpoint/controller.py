@@ -19,6 +19,7 @@ from pathlib import Path
 
 from hpcserve.core.config import DeploymentConfig, Layout
 from hpcserve.core.errors import StageError
+from hpcserve.core.keys import handed_on
 from hpcserve.core.runstate import Decision, RunStateWriter, StageFailure
 from hpcserve.core.statuses import MemberRole, MemberStatus, RunStatus, Stage
 from hpcserve.deployment.process import Stop
@@ -76,8 +77,7 @@ class Controller:
         results = self.run_dir / "members"
         member_cfg = member_config(self.cfg, name, slot, layout, results, group)
         (results / "logs").mkdir(parents=True, exist_ok=True)
-        key_env = {self.cfg.serve.api_key_env: self.api_key} if self.cfg.serve.api_key_env and self.api_key else {}
-        record = launch(member_cfg, results, key_env)
+        record = launch(member_cfg, results, handed_on(self.run_dir, self.api_key))  # a 0600 copy in its run folder
         member = Member(name, slot, role, layout.model_dump(), record.to_dict(), replaces=replaces, group=group)
         self.members.append(member)
         self.watches[name] = StartWatch(record, check_every_s=JOB_CHECK_EVERY_S)

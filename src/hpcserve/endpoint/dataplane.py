@@ -48,7 +48,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from yarl import URL
 
-from hpcserve.core.files import private_dir
+from hpcserve.core.errors import HpcserveError
+from hpcserve.core.folders import private_dir
 from hpcserve.core.keys import read_key_file
 from hpcserve.core.statuses import Routing
 from hpcserve.endpoint import wire
@@ -575,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
         family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
         client_sock = socket.create_server((settings.host, settings.port), family=family, backlog=1024)
         admin_sock = bind_admin_socket(settings.admin_socket)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, HpcserveError) as exc:
         print(f"{PROCESS_TITLE}: cannot start: {exc}", file=sys.stderr, flush=True)
         return 2
     if key is None:

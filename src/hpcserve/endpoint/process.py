@@ -23,8 +23,8 @@ import time
 import traceback
 from pathlib import Path
 
-from hpcserve.core.config import DeploymentConfig, Layout, load_config
-from hpcserve.core.files import write_secret
+from hpcserve.core.config import Layout, load_config
+from hpcserve.core.files import remove_files, write_secret
 from hpcserve.core.keys import read_api_key
 from hpcserve.core.paths import RunPaths
 from hpcserve.core.runstate import RunState
@@ -105,16 +105,8 @@ def teardown(ctl: Controller) -> None:
         for member in ctl.members:
             member.status = MemberStatus.GONE
     ctl.router.stop()
+    remove_files([RunPaths(ctl.run_dir).router_key])  # the router's copy of the key: no router, no copy
     ctl.save()
-
-
-def endpoint_key(cfg: DeploymentConfig, paths: RunPaths, adopting: bool) -> str | None:
-    """The key clients send. Adopting: the one the running router and engines check (its file in the run
-    folder; `hpcserve adopt` refused a different one in the environment), so adoption needs no variable
-    set after a reboot."""
-    if adopting and paths.router_key.is_file():
-        return paths.router_key.read_text().strip() or None
-    return os.environ.get(cfg.serve.api_key_env or "", "") or read_api_key(paths.root)
 
 
 def run(run_dir: Path) -> int:
@@ -122,7 +114,7 @@ def run(run_dir: Path) -> int:
     cfg = load_config(paths.config)
     previous = RunState.read(run_dir)
     adopting = bool(previous.members)
-    api_key = endpoint_key(cfg, paths, adopting)
+    api_key = read_api_key(run_dir)  # the run folder's copy, written by `up` before this process started
     key_file = write_secret(paths.router_key, api_key) if api_key else None  # never on a command line
     router = Router(cfg.serve.host, cfg.serve.port, key_file, paths.router_log, model=cfg.model.name,
                     admin_socket=paths.router_admin, hold_s=cfg.serve.hold_s)

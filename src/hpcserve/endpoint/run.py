@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 
 from hpcserve.core.config import DeploymentConfig
+from hpcserve.core.keys import ApiKey
 from hpcserve.core.registry import Record
 from hpcserve.core.runstate import RunState
 from hpcserve.core.statuses import MemberStatus, RunKind
@@ -30,8 +31,8 @@ CONTROLLER_MODULE = "hpcserve.endpoint.process"
 CHECKED = (MemberStatus.LAUNCHING, MemberStatus.SERVING, MemberStatus.DRAINING, MemberStatus.STOPPING)
 
 
-def start_endpoint(cfg: DeploymentConfig, results: Path) -> Record:
-    return LocalRun.start(cfg, results, CONTROLLER_MODULE, RunKind.ENDPOINT, {}).record
+def start_endpoint(cfg: DeploymentConfig, results: Path, key: ApiKey) -> Record:
+    return LocalRun.start(cfg, results, CONTROLLER_MODULE, RunKind.ENDPOINT, key, {}).record
 
 
 def adopt_endpoint(record: Record) -> Record:

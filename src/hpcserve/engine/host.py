@@ -30,6 +30,8 @@ from pathlib import Path
 
 import psutil
 
+from hpcserve.core.osenv import PRIVATE_UMASK
+
 PR_SET_PDEATHSIG = 1
 NODE_GPUS_ENV = "HPCSERVE_NODE_CUDA_VISIBLE_DEVICES"  # set by raycluster/node.py from the allocation
 # `ray start` preloads Ray's jemalloc into its daemons (not into workers) and marks it with this one.
@@ -143,7 +145,8 @@ class EngineHost:
         full_env = engine_environment(job.env if job else None, dict(os.environ), env, node_gpus)
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=full_env, start_new_session=True, preexec_fn=_child_setup(job))
+                                         env=full_env, start_new_session=True, preexec_fn=_child_setup(job),
+                                         umask=PRIVATE_UMASK)
         return self.proc.pid
 
     def engine_process(self) -> dict:

@@ -4,11 +4,11 @@
     /api/status  the current Snapshot as JSON
     /metrics     Prometheus exposition: hpcserve_* metrics and vLLM's re-exported with deployment/replica labels
 
-Access: it binds 127.0.0.1 by default. Bound to a non-loopback address, /api/status and /metrics require the
-deployment's API key (`Authorization: Bearer KEY`) when the deployment has one; the dashboard page itself holds
-no data and takes the key from the URL fragment (`/#key=...`, never sent to a server or written to its log).
-On loopback no key is asked: other users of the same login node could still read these numbers (request
-counts, token rates, node load; never prompts, answers or the key) but not reach the engines through it.
+Access: it binds 127.0.0.1 by default. /api/status and /metrics require the deployment's API key
+(`Authorization: Bearer KEY`) on every address, loopback included: every user of a login node reaches its
+loopback, and these numbers name the replicas' addresses, the nodes and the load. The dashboard page itself
+holds no data and takes the key from the URL fragment (`/#key=...`, never sent to a server or written to
+its log). Only a deployment without a key (serve.insecure_no_api_key, a machine of one's own) is open.
 """
 
 from __future__ import annotations
@@ -23,18 +23,12 @@ from importlib import resources
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from hpcserve.core.errors import UsageError
-from hpcserve.core.net import is_loopback
 from hpcserve.monitoring.metrics import Gatherer
 from hpcserve.monitoring.prometheus import DeploymentCollector
 
 
 def dashboard_html() -> bytes:
     return resources.files("hpcserve.monitoring").joinpath("static/dashboard.html").read_bytes()
-
-
-def required_key(host: str, api_key: str | None) -> str | None:
-    """The key clients must send: none on loopback, else the deployment's (None when it has none). Pure."""
-    return None if is_loopback(host) else api_key
 
 
 def authorized(header: str | None, key: str | None) -> bool:
@@ -58,7 +52,7 @@ class MonitorServer:
 
     def __init__(self, gatherer: Gatherer, host: str = "127.0.0.1", port: int = 9400, api_key: str | None = None):
         self.gatherer = gatherer
-        self.key = required_key(host, api_key)
+        self.key = api_key  # on loopback too: other users of this machine reach it
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(DeploymentCollector(gatherer))
         self.page = dashboard_html()

@@ -9,19 +9,18 @@ but not for every client, and joining hangs.
 
 from __future__ import annotations
 
-import os
 import secrets
 from pathlib import Path
+
+from hpcserve.core.files import create_secret
 
 TOKEN_FILE = "ray_auth_token"
 
 
 def create_token(run_dir: Path) -> Path:
-    path = Path(run_dir) / TOKEN_FILE
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(secrets.token_hex(32))
-    return path
+    """A new token for this run's cluster. Never an existing file: a token already in the run folder was
+    not made by this run (another user could have planted one they know), so it is an error."""
+    return create_secret(Path(run_dir) / TOKEN_FILE, secrets.token_hex(32))
 
 
 def auth_env(token_path: Path) -> dict[str, str]:

@@ -8,6 +8,7 @@ by name, with its log.
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -16,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpcserve.core.errors import StageError
-from hpcserve.core.files import read_json
-from hpcserve.raycluster.auth import auth_env, create_token
+from hpcserve.core.files import read_json, remove_files
+from hpcserve.raycluster.auth import TOKEN_FILE, auth_env, create_token
 from hpcserve.raycluster.launch import NodeLauncher
 from hpcserve.raycluster.node import STOP_FILE
 from hpcserve.raycluster.ports import PortBlock, free_block
@@ -40,6 +41,7 @@ class RayCluster:
     launcher: NodeLauncher
     ports: PortBlock | None = None
     head_address: str = ""
+    temp_root: Path | None = None
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     @property
@@ -47,9 +49,9 @@ class RayCluster:
         return f"{self.head_address}:{self.ports.gcs}"
 
     def environment(self) -> dict[str, str]:
-        """What every process of this deployment needs to talk to this cluster (no secret values)."""
-        token = create_token(self.plan.run_dir) if not (self.plan.run_dir / "ray_auth_token").exists() \
-            else self.plan.run_dir / "ray_auth_token"
+        """What every process of this deployment needs to talk to this cluster (no secret values); the
+        token is made here, once per run."""
+        token = create_token(self.plan.run_dir)
         # No drain on SIGTERM: Ray 2.60 otherwise waits 30 s for Serve traffic we do not have; the
         # driver has stopped the engines before it stops Ray.
         env = {**auth_env(token), "RAY_USAGE_STATS_ENABLED": "0", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
@@ -60,6 +62,7 @@ class RayCluster:
 
     def start(self) -> None:
         os.environ.update(self.environment())
+        self.temp_root = new_temp_root()
         self.ports = free_block(self.plan.run_id)
         head = self.plan.nodes[0]
         self.head_address = "127.0.0.1" if self.plan.local else _address_of(head)
@@ -72,9 +75,8 @@ class RayCluster:
         self.wait_ready()
 
     def _node_argv(self, role: str) -> list[str]:
-        temp_root = Path("/tmp") / f"hps-{os.getuid()}-{self.plan.run_id[-12:]}"
         argv = [sys.executable, "-m", "hpcserve.raycluster.node", role, f"--run-dir={self.plan.run_dir}",
-                f"--temp-root={temp_root}", f"--num-cpus={self.plan.num_cpus}", f"--num-gpus={self.plan.num_gpus}",
+                f"--temp-root={self.temp_root}", f"--num-cpus={self.plan.num_cpus}", f"--num-gpus={self.plan.num_gpus}",
                 f"--agent-port={self.ports.dashboard_agent_listen}", f"--join-timeout={self.plan.join_timeout_s}"]
         if role == "head":
             argv += [f"--gcs-port={self.ports.gcs}", f"--client-port={self.ports.client_server}",
@@ -173,6 +175,7 @@ class RayCluster:
             (self.plan.run_dir / "nodes" / node).mkdir(parents=True, exist_ok=True)
             (self.plan.run_dir / "nodes" / node / STOP_FILE).touch()
             self._wait_or_kill(self.processes.get(node), timeout_s)
+        remove_files([self.plan.run_dir / TOKEN_FILE])  # a stopped cluster's token opens nothing; keep none
 
     @staticmethod
     def _wait_or_kill(proc: subprocess.Popen | None, timeout_s: float) -> None:
@@ -186,6 +189,14 @@ class RayCluster:
                 return
             except subprocess.TimeoutExpired:
                 continue
+
+
+def new_temp_root() -> Path:
+    """Where each node keeps Ray's files (TEMP_ROOT/HOSTNAME; node.py makes them 0700, checked ours).
+    The name is random, not derived from the run: on a shared /tmp, a folder (or link) another user
+    made in advance under a predictable name would hold Ray's sockets and session files. Short, since
+    Unix socket paths are limited to 107 bytes."""
+    return Path("/tmp") / f"hps-{os.getuid()}-{secrets.token_hex(6)}"
 
 
 def missing_nodes(expected: dict[str, str | None], alive: list[dict], cpus: int, gpus: int) -> list[tuple[str, str]]:

@@ -16,6 +16,7 @@ import subprocess
 from pathlib import Path
 from typing import Protocol
 
+from hpcserve.core.osenv import PRIVATE_UMASK
 from hpcserve.site.profiles import StepWrap
 
 
@@ -26,8 +27,9 @@ class NodeLauncher(Protocol):
 def _popen(argv: list[str], log: Path) -> subprocess.Popen:
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:
+        # umask: srun hands it on to the step, so Ray's files on every node are ours alone
         return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=os.environ.copy())
+                                env=os.environ.copy(), umask=PRIVATE_UMASK)
 
 
 class LocalLauncher:

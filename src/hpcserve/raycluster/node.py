@@ -5,8 +5,10 @@ know is decided there:
 - its address: for a worker, the source address the kernel uses to reach the head, i.e. the NIC that
   really connects the two (users' pitfall #1: on multi-NIC nodes Ray guesses wrong and placement
   groups never place);
-- its temp dir: per node and per run, short (Unix socket paths are limited to 107 bytes);
-- its logs: when Ray stops, the node's Ray logs are copied into the shared run folder.
+- its temp dir: per node and per run, short (Unix socket paths are limited to 107 bytes), mode 0700 and
+  checked to be ours (on a shared /tmp another user could have made it, or a link named like it, first);
+- its logs: when Ray stops, the node's Ray logs are copied into the shared run folder (links are copied
+  as links, never followed: they could lead to any file this user may read).
 CPU and GPU counts come from the allocation (arguments), never from Ray's autodetection.
 """
 
@@ -22,6 +24,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from hpcserve.core.errors import UnsafePathError
+from hpcserve.core.folders import private_dir
+from hpcserve.core.osenv import PRIVATE_UMASK
 
 
 def address_towards(host: str, port: int) -> str:
@@ -85,7 +91,7 @@ def wait_for_exit_or_stop(child: subprocess.Popen, stop_file: Path) -> int:
 def copy_logs(temp_dir: Path, dest: Path) -> None:
     logs = temp_dir / "session_latest" / "logs"
     if logs.is_dir():
-        shutil.copytree(logs, dest / "ray", dirs_exist_ok=True, ignore_dangling_symlinks=True,
+        shutil.copytree(logs, dest / "ray", symlinks=True, dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns("*.sock", "*.err.*"))
 
 
@@ -105,7 +111,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def private_temp_dir(temp_root: Path, hostname: str) -> Path:
+    """TEMP_ROOT/HOSTNAME for this node's Ray: the root may be made by another node first (a /tmp shared
+    between nodes), so it must only be ours; the node's own folder is new."""
+    return private_dir(private_dir(temp_root) / hostname, fresh=True)
+
+
 def main(argv: list[str] | None = None) -> int:
+    os.umask(PRIVATE_UMASK)  # Ray's session files and sockets, and the logs copied back: ours alone
     args = parse_args(argv)
     hostname = socket.gethostname()
     node_dir = args.run_dir / "nodes" / hostname
@@ -113,8 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "worker":
         wait_for_tcp(args.head, args.join_timeout)
     address = args.address or own_address(args.head if args.role == "worker" else None)
-    temp_dir = args.temp_root / hostname
-    temp_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        temp_dir = private_temp_dir(args.temp_root, hostname)
+    except UnsafePathError as exc:
+        raise SystemExit(f"Ray's temp folder: {exc}") from None
     # vLLM and NCCL pick the node's address the same flawed way Ray does: tell them.
     os.environ["VLLM_HOST_IP"] = address
     # Ray rewrites CUDA_VISIBLE_DEVICES per worker; keep the allocation's value for processes that
@@ -136,6 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     code = wait_for_exit_or_stop(child, node_dir / STOP_FILE)
     copy_logs(temp_dir, node_dir)
     shutil.rmtree(temp_dir, ignore_errors=True)
+    try:
+        os.rmdir(args.temp_root)  # once the last node of this machine is done with it
+    except OSError:
+        pass
     return code
 
 

