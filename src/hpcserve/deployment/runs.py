@@ -5,6 +5,8 @@
 
     launch(cfg, results)   start a driver (here or as a job); returns the Record that finds it again
     run_of(record)         the LocalRun or SlurmRun a registered record names
+    Runs                   both for many deployments at once (an endpoint's members): their jobs
+                           followed with one squeue call per interval (slurm.watcher.JobWatcher)
     run.gone()             why it can no longer make progress (process exited, job ended), else None
     run.stop()             orderly stop (SIGTERM: it stops what it started), then by recorded PID
 """
@@ -18,6 +20,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import psutil
 import yaml
@@ -30,21 +33,65 @@ from hpcserve.core.paths import RunPaths
 from hpcserve.core.registry import Record
 from hpcserve.core.statuses import RunKind
 from hpcserve.slurm.client import JobWaitTimeout, SlurmClient
-from hpcserve.slurm.render import render_batch_script
+from hpcserve.slurm.render import DRIVER_MODULE, render_batch_script
 from hpcserve.slurm.states import JobInfo, JobState
+from hpcserve.slurm.watcher import JobWatcher
 
-DRIVER_MODULE = "hpcserve.deployment.driver"
 
-
-def launch(cfg: DeploymentConfig, results: Path, extra_env: dict[str, str] | None = None) -> Record:
+def launch(cfg: DeploymentConfig, results: Path, extra_env: dict[str, str] | None = None,
+           driver_module: str = DRIVER_MODULE) -> Record:
     """Start a deployment's driver: detached on this machine (local), or as a Slurm batch job."""
     if cfg.cluster.scheduler == "local":
-        return LocalRun.start(cfg, results, DRIVER_MODULE, RunKind.DRIVER, extra_env or {}).record
-    return SlurmRun.submit(cfg, results, extra_env or {}).record
+        return LocalRun.start(cfg, results, driver_module, RunKind.DRIVER, extra_env or {}).record
+    return SlurmRun.submit(cfg, results, extra_env or {}, driver_module).record
 
 
-def run_of(record: Record) -> LocalRun | SlurmRun:
-    return SlurmRun(record) if record.job_id else LocalRun(record)
+def run_of(record: Record, jobs: JobWatcher | None = None) -> LocalRun | SlurmRun:
+    return SlurmRun(record, jobs) if record.job_id else LocalRun(record)
+
+
+class Run(Protocol):
+    """What a caller may ask of a deployment's run, wherever it runs (LocalRun, SlurmRun, or a test's)."""
+
+    def gone(self) -> str | None: ...
+
+    def stop(self, timeout_s: float = 90.0, grace_s: float = 0.0) -> list[int]: ...
+
+    def queue_line(self) -> str | None: ...
+
+    def info(self) -> JobInfo | None: ...
+
+
+class Launcher(Protocol):
+    """How an endpoint's members are started and found again. Runs is the product's; tests and
+    benchmarks hand the controller one of their own (stand-in members)."""
+
+    def launch(self, cfg: DeploymentConfig, results: Path, extra_env: dict[str, str]) -> Record: ...
+
+    def run_of(self, record: Record) -> Run: ...
+
+
+@dataclass
+class Runs:
+    """Deployments started here or as Slurm jobs, their jobs followed together: every SlurmRun made by
+    run_of shares one JobWatcher, so the state of all of them costs one squeue call per interval.
+    driver_module: what the job runs (the driver; a test may run a stand-in member instead)."""
+
+    jobs: JobWatcher
+    driver_module: str = DRIVER_MODULE
+
+    @classmethod
+    def default(cls, check_every_s: float, driver_module: str = DRIVER_MODULE) -> Runs:
+        return cls(JobWatcher(SlurmClient(), check_every_s), driver_module)
+
+    def launch(self, cfg: DeploymentConfig, results: Path, extra_env: dict[str, str]) -> Record:
+        record = launch(cfg, results, extra_env, self.driver_module)
+        if record.job_id:
+            self.jobs.watch(record.job_id)
+        return record
+
+    def run_of(self, record: Record) -> LocalRun | SlurmRun:
+        return run_of(record, self.jobs)
 
 
 def config_yaml(cfg: DeploymentConfig) -> str:
@@ -137,10 +184,12 @@ class SlurmRun:
     """A batch job whose script execs the driver; Slurm is asked about it through one client."""
 
     record: Record
+    jobs: JobWatcher | None = None  # shared with other runs: one squeue for all; None: asked alone
 
     @classmethod
-    def submit(cls, cfg: DeploymentConfig, results: Path, extra_env: dict[str, str]) -> SlurmRun:
-        script = render_batch_script(cfg, config_yaml(cfg), sys.executable, results)
+    def submit(cls, cfg: DeploymentConfig, results: Path, extra_env: dict[str, str],
+               driver_module: str = DRIVER_MODULE) -> SlurmRun:
+        script = render_batch_script(cfg, config_yaml(cfg), sys.executable, results, driver_module)
         staging = results / "logs" / f".submit-{cfg.name}-{os.getpid()}"
         staging.mkdir(parents=True, exist_ok=True)
         key_env, generated = api_key_env(cfg)
@@ -163,7 +212,10 @@ class SlurmRun:
         return RunPaths(Path(self.record.run_dir)).slurm_out
 
     def info(self) -> JobInfo | None:
-        """The job as Slurm knows it now; None when no Slurm command knows it (or Slurm did not answer)."""
+        """The job as Slurm knows it now (through the shared watcher: as of its last call, at most its
+        interval ago); None when no Slurm command knows it (or Slurm did not answer)."""
+        if self.jobs is not None:
+            return self.jobs.info(self.record.job_id)
         try:
             return SlurmClient().job(self.record.job_id)
         except SlurmError:

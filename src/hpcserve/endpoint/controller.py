@@ -15,6 +15,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from collections import deque
 from pathlib import Path
 
 from hpcserve.core.config import DeploymentConfig, Layout
@@ -22,7 +23,7 @@ from hpcserve.core.errors import StageError
 from hpcserve.core.runstate import Decision, RunStateWriter, StageFailure
 from hpcserve.core.statuses import MemberRole, MemberStatus, RunStatus, Stage
 from hpcserve.deployment.process import Stop
-from hpcserve.deployment.runs import launch, run_of
+from hpcserve.deployment.runs import Launcher, Runs
 from hpcserve.deployment.watch import StartWatch
 from hpcserve.endpoint.autoscale import Autoscaler
 from hpcserve.endpoint.decisions import FAILED_PROBES_TO_LEAVE, replace_failed_launch
@@ -44,6 +45,8 @@ MEMBER_STOP_TIMEOUT_S = 60.0
 DRAIN_TIMEOUT_S = 120.0  # a drained replica is stopped after this even if requests still run on it
 FORWARDED_STAGES = (Stage.RAY, Stage.HEALTH, Stage.ENGINE)  # the first member's stages appear in the endpoint's timeline
 DECISIONS_KEPT = 100
+ROUNDS_KEPT = 300  # round durations kept for the round-time figures in state.json (five minutes)
+RECENT_ROUNDS = 20  # the last rounds' durations, in state.json as they are
 
 
 class MemberFailed(StageError):
@@ -51,8 +54,12 @@ class MemberFailed(StageError):
 
 
 class Controller:
-    def __init__(self, cfg: DeploymentConfig, run_dir: Path, router: Router, api_key: str | None):
+    def __init__(self, cfg: DeploymentConfig, run_dir: Path, router: Router, api_key: str | None,
+                 runs: Launcher | None = None):
+        """runs: how members are started and found again; by default real deployments (drivers here or
+        Slurm jobs, their jobs asked about with one squeue per JOB_CHECK_EVERY_S)."""
         self.cfg, self.run_dir, self.router, self.api_key = cfg, run_dir, router, api_key
+        self.runs = runs or Runs.default(JOB_CHECK_EVERY_S)
         self.writer = RunStateWriter(run_dir)  # the one writer of the endpoint's state.json and timeline.json
         self.members: list[Member] = []
         self.lock = threading.RLock()
@@ -65,6 +72,8 @@ class Controller:
         self.watches: dict[str, StartWatch] = {}  # launching member -> its start watch
         self.ready = False
         self.stop_requested: str | None = None  # a signal's name; the loop stops between steps, never in one
+        self.round_s: deque[float] = deque(maxlen=ROUNDS_KEPT)  # how long each round took
+        self.rounds = 0
 
     # ------------------------------------------------------------ members
     def launch(self, role: MemberRole, layout: Layout, replaces: str | None = None, group: int = 0) -> Member:
@@ -74,10 +83,10 @@ class Controller:
         member_cfg = member_config(self.cfg, name, slot, layout, results, group)
         (results / "logs").mkdir(parents=True, exist_ok=True)
         key_env = {self.cfg.serve.api_key_env: self.api_key} if self.cfg.serve.api_key_env and self.api_key else {}
-        record = launch(member_cfg, results, key_env)
+        record = self.runs.launch(member_cfg, results, key_env)
         member = Member(name, slot, role, layout.model_dump(), record.to_dict(), replaces=replaces, group=group)
         self.members.append(member)
-        self.watches[name] = StartWatch(record, check_every_s=JOB_CHECK_EVERY_S)
+        self.watches[name] = StartWatch(record, check_every_s=JOB_CHECK_EVERY_S, run_of=self.runs.run_of)
         self.decide(f"launch {role}", f"{name} ({record.job_id and 'job ' + record.job_id or 'local driver'})"
                     + (f", replacing {replaces}" if replaces else ""))
         return member
@@ -91,7 +100,7 @@ class Controller:
 
         def stop() -> None:
             try:
-                run_of(member.as_record()).stop(timeout_s=MEMBER_STOP_TIMEOUT_S)
+                self.runs.run_of(member.as_record()).stop(timeout_s=MEMBER_STOP_TIMEOUT_S)
             finally:
                 with self.lock:
                     member.status = MemberStatus.GONE
@@ -150,6 +159,7 @@ class Controller:
     def tick(self) -> None:
         """One round. A step that fails (a Slurm command timing out, the router refusing a change) is
         reported as a decision and tried again next round: the endpoint keeps serving meanwhile."""
+        started = time.monotonic()
         steps = [(step.__name__, step) for step in (self.forward_first_member, self.keep_router_up,
                                                     self.check_members, self.check_jobs, self.pool.balance)]
         if self.ready:
@@ -165,6 +175,8 @@ class Controller:
             except Exception as exc:  # noqa: BLE001 - see the docstring
                 self.decide("error", f"{name}: {type(exc).__name__}: {exc}"[:400])
         self.save()
+        self.round_s.append(time.monotonic() - started)
+        self.rounds += 1
 
     def rotate_until(self, deadline: float) -> None:
         """The time between two rounds: the load-aware rotation, every ROTATION_S."""
@@ -196,7 +208,8 @@ class Controller:
                 self.check_serving(member)
 
     def check_launching(self, member: Member) -> None:
-        watch = self.watches.setdefault(member.name, StartWatch(member.as_record(), JOB_CHECK_EVERY_S))
+        watch = self.watches.setdefault(member.name, StartWatch(member.as_record(), JOB_CHECK_EVERY_S,
+                                                                run_of=self.runs.run_of))
         seen = watch.observe()
         if seen.state.status is RunStatus.READY:
             try:
@@ -243,7 +256,7 @@ class Controller:
         for member in self.members:
             if member.status not in (MemberStatus.SERVING, MemberStatus.DRAINING):
                 continue
-            run = run_of(member.as_record())
+            run = self.runs.run_of(member.as_record())
             if member.record.get("job_id"):
                 info = run.info()
                 member.end_time = info.end_time if info else None
@@ -273,5 +286,19 @@ class Controller:
                                paused=sorted(self.pool.rotation.paused),
                                endpoint={"url": self.router.url, "pid": self.router.pid},
                                members=[m.to_json() for m in self.members],
+                               control={"rounds": self.rounds, **control_figures(list(self.round_s), self.runs)},
                                decisions=[d.to_dict() for d in self.decisions[-20:]])
 
+
+
+def control_figures(round_s: list[float], runs: Launcher) -> dict:
+    """The control plane's own figures for state.json: round times (ms) and Slurm queries made."""
+    ordered = sorted(round_s)
+
+    def at(q: float) -> float | None:
+        return round(1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2) if ordered else None
+
+    jobs = getattr(runs, "jobs", None)  # Runs' shared JobWatcher
+    return {"rounds_kept": len(ordered), "round_ms_p50": at(0.5), "round_ms_p99": at(0.99), "round_ms_max": at(1.0),
+            "round_ms_recent": [round(1000 * s, 2) for s in round_s[-RECENT_ROUNDS:]],
+            "slurm_queries": jobs.calls if jobs is not None else None}

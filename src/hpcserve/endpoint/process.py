@@ -24,7 +24,7 @@ from hpcserve.core.paths import RunPaths
 from hpcserve.core.statuses import MemberRole, MemberStatus, RunStatus, Stage
 from hpcserve.deployment.preflight import resolved_layout
 from hpcserve.deployment.process import install_stop_handlers, process_main, run_to_end
-from hpcserve.deployment.runs import run_of
+from hpcserve.deployment.runs import Launcher
 from hpcserve.endpoint.controller import MEMBER_STOP_TIMEOUT_S, TICK_S, Controller
 from hpcserve.endpoint.members import Member, group_layouts
 from hpcserve.endpoint.router import Router
@@ -55,7 +55,7 @@ def teardown(ctl: Controller) -> None:
     """Every member stopped (in parallel: each job takes seconds), then the router."""
     def stop_one(member: Member) -> None:
         try:
-            run_of(member.as_record()).stop(timeout_s=MEMBER_STOP_TIMEOUT_S)
+            ctl.runs.run_of(member.as_record()).stop(timeout_s=MEMBER_STOP_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - keep stopping the others
             traceback.print_exc()
 
@@ -71,13 +71,14 @@ def teardown(ctl: Controller) -> None:
     ctl.save()
 
 
-def run(run_dir: Path) -> int:
+def run(run_dir: Path, runs: Launcher | None = None) -> int:
+    """runs: how members start (default: real deployments); a benchmark may run stand-in members."""
     paths = RunPaths(run_dir)
     cfg = load_config(paths.config)
     api_key = os.environ.get(cfg.serve.api_key_env or "", "") or read_api_key(run_dir)
     key_file = write_secret(paths.router_key, api_key) if api_key else None  # never on a command line
     router = Router(cfg.serve.host, cfg.serve.port, key_file, paths.router_log, model=cfg.model.name)
-    ctl = Controller(cfg, run_dir, router, api_key)
+    ctl = Controller(cfg, run_dir, router, api_key, runs)
     ctl.writer.update(driver_pid=os.getpid(), status=RunStatus.STARTING, job_started=time.time())
     install_stop_handlers(ctl.request_stop)
 
