@@ -37,6 +37,8 @@ from hpcserve.slurm.render import DRIVER_MODULE, render_batch_script
 from hpcserve.slurm.states import JobInfo, JobState
 from hpcserve.slurm.watcher import JobWatcher
 
+FINISH_POLL_S = 0.5  # how often a stop looks at the shared watcher (which asks Slurm at its own pace)
+
 
 def launch(cfg: DeploymentConfig, results: Path, extra_env: dict[str, str] | None = None,
            driver_module: str = DRIVER_MODULE) -> Record:
@@ -244,26 +246,38 @@ class SlurmRun:
         if info is None or info.state.finished:
             return []
         job = self.record.job_id
-        if grace_s:
-            try:
-                if client.wait_for(job, lambda j: j.state.finished, timeout=grace_s, poll=0.5).state.finished:
-                    return []
-            except JobWaitTimeout:
-                pass
+        if grace_s and self.wait_finished(grace_s):
+            return []
         if info.state is JobState.PENDING:  # nothing runs yet: a signal has nowhere to go
             client.cancel(job)
-            client.wait_for(job, lambda j: j.state.finished, timeout=timeout_s, poll=0.5)
+            self.wait_finished(timeout_s)
             return []
         # TERM to the batch shell alone: the driver stops engines, then Ray, in order (TERM to every step
         # at once kills the Ray head under the driver's feet). If it hangs past the deadline, a plain
         # scancel lets Slurm kill everything.
         client.cancel(job, signal="TERM", batch_only=True)
-        try:
-            client.wait_for(job, lambda j: j.state.finished, timeout=timeout_s, poll=0.5)
-        except JobWaitTimeout:
+        if not self.wait_finished(timeout_s):
             client.cancel(job)
-            client.wait_for(job, lambda j: j.state.finished, timeout=60, poll=0.5)
+            self.wait_finished(60)
         return []
+
+    def wait_finished(self, timeout_s: float) -> bool:
+        """Wait until the job has finished; False when timeout_s passed first. With a shared watcher
+        the job is seen through its calls (one squeue for all jobs: many members stopping at once do not
+        multiply the queries); alone, polled with backoff."""
+        if self.jobs is None:
+            try:
+                return SlurmClient().wait_for(self.record.job_id, lambda j: j.state.finished, timeout=timeout_s,
+                                              poll=0.5).state.finished
+            except JobWaitTimeout:
+                return False
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            info = self.jobs.info(self.record.job_id)
+            if info is None or info.state.finished:
+                return True
+            time.sleep(FINISH_POLL_S)
+        return False
 
 
 def alive(proc: psutil.Process) -> bool:

@@ -92,26 +92,34 @@ class Controller:
         return member
 
     def stop_member(self, member: Member, why: str) -> None:
-        """Stop in the background: a job's orderly stop takes seconds, the loop must keep probing."""
+        self.stop_members([(member, why)])
+
+    def stop_members(self, stops: list[tuple[Member, str]]) -> None:
+        """Stop in the background: a job's orderly stop takes seconds, the loop must keep probing. Their
+        replicas leave the router first, all in one change (10 % of 256 replicas lost at once must not
+        cost 25 router round trips)."""
         with self.lock:
-            member.status, member.note = MemberStatus.STOPPING, why
-            for url in member.backends:
-                self.leave(url, why)
-
-        def stop() -> None:
+            for member, why in stops:
+                member.status, member.note = MemberStatus.STOPPING, why
             try:
-                self.runs.run_of(member.as_record()).stop(timeout_s=MEMBER_STOP_TIMEOUT_S)
-            finally:
-                with self.lock:
-                    member.status = MemberStatus.GONE
+                self.leave([(url, why) for member, why in stops for url in member.backends])
+            finally:  # even if the router refused: the members stop (its breaker skips dead backends)
+                for member, _ in stops:
+                    threading.Thread(target=self._stop, args=(member,), name=f"stop-{member.name}",
+                                     daemon=True).start()
 
-        threading.Thread(target=stop, name=f"stop-{member.name}", daemon=True).start()
+    def _stop(self, member: Member) -> None:
+        try:
+            self.runs.run_of(member.as_record()).stop(timeout_s=MEMBER_STOP_TIMEOUT_S)
+        finally:
+            with self.lock:
+                member.status = MemberStatus.GONE
 
     def drain(self, url: str, why: str) -> None:
         """No new requests to the backend; its member stops once nothing runs on it (no request cut)."""
         with self.lock:
             member = next(m for m in self.members if url in m.backends)
-            self.leave(url, why)
+            self.leave([(url, why)])
             member.backends.remove(url)
             member.status, member.note, member.retired = MemberStatus.DRAINING, why, True
         threading.Thread(target=self._stop_when_idle, args=(member, [url], why), daemon=True).start()
@@ -138,22 +146,31 @@ class Controller:
         return Layout(**self.members[0].layout)
 
     # ------------------------------------------------------------ pool
-    def join(self, member: Member) -> None:
-        """The member's replicas answered a real completion (its driver checked): probe them once more
-        from here (the router's side of the network), then give them traffic."""
-        urls = replica_urls(member.state())
-        self.pool.join(urls)
-        with self.lock:
-            member.backends, member.status, member.note = urls, MemberStatus.SERVING, ""
+    def join(self, members: list[Member]) -> None:
+        """These members' replicas answered a real completion (their drivers checked): probe them once
+        more from here (the router's side of the network), then give them traffic; all of this round's
+        at once. A member whose replica failed that probe is a failed launch (replaced)."""
+        urls = {m.name: replica_urls(m.state()) for m in members}
+        failed = self.pool.join([url for name in urls for url in urls[name]])
+        for member in members:
+            why = next((failed[u] for u in urls[member.name] if u in failed), None)
+            if why:
+                self.pool.leave([u for u in urls[member.name] if u not in failed])
+                self.launch_failed(member, StageFailure(Stage.ROUTER, why))
+                continue
+            member.backends, member.status, member.note = urls[member.name], MemberStatus.SERVING, ""
             member.ready_s = time.time() - member.launched
-        self.decide("join", f"{member.name}: {', '.join(urls)} in the pool after {member.ready_s:.0f} s")
-        self.failed_launches = 0
+            self.decide("join", f"{member.name}: {', '.join(member.backends)} in the pool after "
+                                f"{member.ready_s:.1f} s")
+            self.failed_launches = 0
 
-    def leave(self, url: str, why: str) -> None:
-        self.pool.leave(url)
-        self.decide("leave", f"{url}: {why}")
-        for policy in self.policies:
-            policy.forget(url)
+    def leave(self, backends: list[tuple[str, str]]) -> None:
+        """Backends out of the pool, each with its reason, in one router change."""
+        self.pool.leave([url for url, _ in backends])
+        for url, why in backends:
+            self.decide("leave", f"{url}: {why}")
+            for policy in self.policies:
+                policy.forget(url)
 
     # ------------------------------------------------------------ one round
     def tick(self) -> None:
@@ -161,7 +178,8 @@ class Controller:
         reported as a decision and tried again next round: the endpoint keeps serving meanwhile."""
         started = time.monotonic()
         steps = [(step.__name__, step) for step in (self.forward_first_member, self.keep_router_up,
-                                                    self.check_members, self.check_jobs, self.pool.balance)]
+                                                    self.check_members, self.check_serving, self.check_jobs,
+                                                    self.pool.balance)]
         if self.ready:
             steps += [(policy.name, lambda policy=policy: policy.step(self)) for policy in self.policies]
         for name, step in steps:
@@ -201,27 +219,24 @@ class Controller:
             self.decide("router restarted", f"the router process had exited; see {self.router.log_path}")
 
     def check_members(self) -> None:
-        for member in list(self.members):
-            if member.status is MemberStatus.LAUNCHING:
-                self.check_launching(member)
-            elif member.status in (MemberStatus.SERVING, MemberStatus.DRAINING):
-                self.check_serving(member)
+        """Launching members: those that serve now join (together), those that failed are reported."""
+        ready = [m for m in list(self.members) if m.status is MemberStatus.LAUNCHING and self.check_launching(m)]
+        if ready:
+            self.join(ready)
 
-    def check_launching(self, member: Member) -> None:
+    def check_launching(self, member: Member) -> bool:
+        """True when the member's driver reports it ready (it joins)."""
         watch = self.watches.setdefault(member.name, StartWatch(member.as_record(), JOB_CHECK_EVERY_S,
                                                                 run_of=self.runs.run_of))
         seen = watch.observe()
         if seen.state.status is RunStatus.READY:
-            try:
-                self.join(member)
-            except Exception as exc:  # noqa: BLE001 - reported; the member is replaced below
-                self.launch_failed(member, StageFailure(Stage.ROUTER, f"probe from the endpoint failed: {exc}"))
-            return
+            return True
         if seen.queue:
             self.note_queue(member, seen.queue)
         if seen.state.status.ended or seen.gone:
             self.launch_failed(member, seen.state.error or StageFailure(seen.state.stage or Stage.SUBMITTED,
                                                                          seen.gone or RunStatus.STOPPED, str(member.run_dir)))
+        return False
 
     def note_queue(self, member: Member, line: str) -> None:
         """A member's job waiting in Slurm's queue: its reason in the member's line of `status` and, for the
@@ -241,12 +256,17 @@ class Controller:
         if not self.ready:
             raise MemberFailed(error.stage or Stage.ENGINE, error.diagnosis or RunStatus.FAILED, error.log)
 
-    def check_serving(self, member: Member) -> None:
-        for url in list(member.backends):
-            if self.pool.probe(url):
-                self.stop_member(member, f"{url} failed {FAILED_PROBES_TO_LEAVE} probes: "
-                                         f"{self.pool.last_probe(url).detail}")
-                return
+    def check_serving(self) -> None:
+        """Every replica of the pool probed (all at once); a member whose replica failed its probes
+        stops, and self-healing replaces it."""
+        leaving = set(self.pool.probe_all())
+        stops = []
+        for member in self.members:
+            url = next((u for u in member.backends if u in leaving), None)
+            if member.status is MemberStatus.SERVING and url:
+                stops.append((member, f"{url} failed {FAILED_PROBES_TO_LEAVE} probes: {self.pool.last_probe(url).detail}"))
+        if stops:
+            self.stop_members(stops)
 
     def check_jobs(self) -> None:
         """A member whose job or driver ended (time limit, node failure, engine crash) leaves at once."""

@@ -13,6 +13,7 @@ from typing import Literal
 
 from hpcserve.core.config import AutoscaleSpec
 from hpcserve.core.statuses import MemberRole
+from hpcserve.engine.metrics import EngineLoad
 
 # A backend whose probes failed this many times in a row leaves the pool. With a probe every second
 # and a one-second timeout, a dead backend is out within about 3 s.
@@ -33,6 +34,23 @@ def should_leave(recent: list[ProbeResult]) -> bool:
     """The last FAILED_PROBES_TO_LEAVE probes all failed."""
     tail = recent[-FAILED_PROBES_TO_LEAVE:]
     return len(tail) == FAILED_PROBES_TO_LEAVE and not any(p.ok for p in tail)
+
+
+def reads_due(backends: list[str], loads: dict[str, EngineLoad], paused: set[str], last_read: dict[str, float],
+              now: float, busy_every_s: float, idle_every_s: float) -> list[str]:
+    """The backends whose /metrics the load-aware rotation reads now. One with requests running or
+    waiting, or paused (it must come back as soon as its queue empties), or whose load is not known
+    yet, is read every busy_every_s; an idle one every idle_every_s (the round's probe reads it
+    anyway): at 256 replicas an idle endpoint costs 256 page reads a second, not 1,280 (a page is
+    50 KB). A request that lands on an idle replica is seen by the next probe or by the router's own
+    balancing. Pure."""
+    def every(url: str) -> float:
+        load = loads.get(url)
+        busy = url in paused or load is None or load.in_flight > 0
+        return busy_every_s if busy else idle_every_s
+
+    # A little early is on time: reads are scheduled by a loop that wakes every busy_every_s
+    return [url for url in backends if now - last_read.get(url, float("-inf")) >= every(url) - busy_every_s / 2]
 
 
 # ------------------------------------------------------------------ autoscale

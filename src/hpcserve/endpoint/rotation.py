@@ -8,7 +8,7 @@ applies it to a router. benchmarks/router_capacity.py measures it alone.
 
 from __future__ import annotations
 
-from hpcserve.endpoint.router import Router, RouterError
+from hpcserve.endpoint.router import Router
 from hpcserve.engine.metrics import EngineLoad, is_saturated
 
 
@@ -59,15 +59,13 @@ class Rotation:
         paused = next_paused(pool, answered, loads, self.paused)
         # Resumed ones first: removing first would leave the router without a backend for the time an add
         # takes (~60 ms), and it answers 503 "No available workers" meanwhile (seen on the sandbox).
-        for url in sorted(self.paused - paused):
-            if url not in pool:  # left the pool meanwhile: stays out
-                continue
-            try:
-                self.router.add(url)
-            except RouterError:  # it stopped answering since its probe: paused still, tried next round
-                paused = paused | {url}
+        # Each batch is one router.apply: at 256 replicas a round may change dozens at once.
+        resume = sorted(url for url in self.paused - paused if url in pool)  # left the pool: stays out
+        if resume:
+            paused |= self.router.apply(add=resume)  # stopped answering since its probe: paused still
         if pool and set(pool) <= paused:  # a failed add broke "never all of them": pause nobody new
             paused = paused & self.paused
-        for url in sorted(paused - self.paused):
-            self.router.remove(url, drain_s=0)
+        pause = sorted(paused - self.paused)
+        if pause:
+            self.router.apply(remove=pause)
         self.paused = paused

@@ -4,6 +4,7 @@
     router.start(["http://10.0.0.5:8000", ...])   # own process group; returns once it answers
     router.add(url)                 # a replica that already answered a real completion joins
     router.remove(url, drain_s=30)  # no new requests; waits for its in-flight ones to finish
+    router.apply(add=[...], remove=[...])   # one round's changes at once
     router.backends()               # [Backend(url, healthy, in_flight)]
     router.stop()                   # SIGTERM to its process group by recorded PID, then SIGKILL
 
@@ -28,6 +29,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -44,6 +46,7 @@ from hpcserve.engine.metrics import EngineLoad, engine_load, is_drained
 LAUNCHER = "hpcserve.endpoint.router_main"
 PROCESS_TITLE = "hpcserve-router"  # router_main sets it: `ps` shows which process is the router
 POLL_S = 0.1
+ADMIN_CALLS_AT_ONCE = 16  # apply(): membership changes sent to the router at once
 
 
 class RouterError(HpcserveError):
@@ -90,7 +93,10 @@ class Router:
         self.pid: int | None = None
         self._process: psutil.Popen | None = None
         self._key: str | None = None
-        self._client = httpx.Client(timeout=httpx.Timeout(10.0, connect=2.0), trust_env=False)
+        # Shared by the admin calls of apply(), which run in threads (httpx's Client is thread-safe)
+        self._client = httpx.Client(timeout=httpx.Timeout(10.0, connect=2.0), trust_env=False,
+                                    limits=httpx.Limits(max_connections=ADMIN_CALLS_AT_ONCE + 4))
+        self._executor: ThreadPoolExecutor | None = None
 
     @property
     def url(self) -> str:
@@ -158,6 +164,8 @@ class Router:
         self.pid, self._process = None, None
 
     def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
         self._client.close()
 
     # -------------------------------------------------------------- membership
@@ -178,6 +186,51 @@ class Router:
         self._admin("POST", "/add_worker", params={"url": url}, timeout=timeout_s + 5)
         self._wait(lambda: any(b.url == url and b.healthy for b in self.backends()), timeout_s,
                    f"the router did not take {url} within {timeout_s:.0f} s (see {self.log_path})")
+
+    def apply(self, add: Iterable[str] = (), remove: Iterable[str] = (), timeout_s: float = 30.0) -> set[str]:
+        """One round's membership changes at once: the adds together, then (once the router routes to
+        them) the removes together, with one look at /workers before and one wait after, instead of
+        one add or remove after the other with a wait each (~60 ms an add here: seconds for a round
+        that changes dozens). Adds first, so the router is never left without a backend in between.
+        No drain wait: the controller drains itself. Returns the backends that could not be added
+        (they did not answer /health, or the router did not take them within timeout_s)."""
+        present = {b.url for b in self.backends()}
+        adds = [u.rstrip("/") for u in add if u.rstrip("/") not in present]
+        removes = [u.rstrip("/") for u in remove if u.rstrip("/") in present]
+        refused = {url for url, ok in zip(adds, self._pool().map(self._request_add, adds, [timeout_s] * len(adds)))
+                   if not ok}
+        if adds:
+            wanted = set(adds) - refused
+            seen = self._wait_for_workers(lambda w: wanted <= {b.url for b in w if b.healthy}, timeout_s)
+            refused |= wanted - {b.url for b in seen if b.healthy}
+        if removes:
+            list(self._pool().map(lambda url: self._admin("POST", "/remove_worker", params={"url": url}), removes))
+            gone = set(removes)
+            self._wait_for_workers(lambda w: not gone & {b.url for b in w}, 10.0)
+        return refused
+
+    def _request_add(self, url: str, timeout_s: float) -> bool:
+        if not health_ok(url):  # else vllm-router holds the call for its whole startup timeout (30 s)
+            return False
+        try:
+            self._admin("POST", "/add_worker", params={"url": url}, timeout=timeout_s + 5)
+            return True
+        except RouterError:
+            return False
+
+    def _wait_for_workers(self, condition, timeout_s: float) -> list[Backend]:
+        """Poll /workers until condition(workers) holds or timeout_s passes; the last answer."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            workers = self.backends()
+            if condition(workers) or time.monotonic() > deadline:
+                return workers
+            time.sleep(POLL_S / 2)
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(ADMIN_CALLS_AT_ONCE, thread_name_prefix="router-admin")
+        return self._executor
 
     def remove(self, url: str, drain_s: float = 30.0) -> bool:
         """Take a backend out: no new requests go there at once; then wait up to drain_s for the requests
