@@ -116,8 +116,10 @@ class Rounds:
 
     def summary(self) -> dict:
         d = self.durations
+        control = state(self.record).get("control") or {}  # rotation steps: over the last 300 (60 s)
         return {"rounds": len(d), "round_ms_p50": percentile(d, 50), "round_ms_p99": percentile(d, 99),
-                "round_ms_max": max(d) if d else None}
+                "round_ms_max": max(d) if d else None,
+                **{k: control.get(k) for k in ("step_ms_p50", "step_ms_p99", "step_ms_max")}}
 
 
 def router_of(record: Record) -> tuple[str, int]:

@@ -72,6 +72,9 @@ class Launcher(Protocol):
 
     def run_of(self, record: Record) -> Run: ...
 
+    def slurm_queries(self) -> int | None:
+        """Queries about jobs made so far (what sites rate-limit), None where there is no Slurm."""
+
 
 @dataclass
 class Runs:
@@ -94,6 +97,9 @@ class Runs:
 
     def run_of(self, record: Record) -> LocalRun | SlurmRun:
         return run_of(record, self.jobs)
+
+    def slurm_queries(self) -> int | None:
+        return self.jobs.calls
 
 
 def config_yaml(cfg: DeploymentConfig) -> str:

@@ -16,6 +16,7 @@ import signal
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from hpcserve.core.config import DeploymentConfig, Layout
@@ -60,7 +61,7 @@ class Controller:
         Slurm jobs, their jobs asked about with one squeue per JOB_CHECK_EVERY_S)."""
         self.cfg, self.run_dir, self.router, self.api_key = cfg, run_dir, router, api_key
         self.runs = runs or Runs.default(JOB_CHECK_EVERY_S)
-        self.writer = RunStateWriter(run_dir)  # the one writer of the endpoint's state.json and timeline.json
+        self.writer = RunStateWriter(run_dir, compact=True)  # the one writer of its state.json and timeline.json
         self.members: list[Member] = []
         self.lock = threading.RLock()
         self.pool = Pool(router, api_key, cfg.model.name, TICK_S, self.serving_backends)
@@ -70,9 +71,15 @@ class Controller:
         self.forwarded = 0
         self.last_job_check = 0.0
         self.watches: dict[str, StartWatch] = {}  # launching member -> its start watch
+        # Joins run in a thread of their own: vllm-router takes ~60 ms an add, one add at a time, and a
+        # round must not wait for 25 of them (the rest of the pool is probed meanwhile)
+        self.joiner = ThreadPoolExecutor(1, thread_name_prefix="join")
+        self.joining: dict[str, Future] = {}  # member -> its join (done: url -> why it failed)
+        self.described: dict[str, list[dict]] = {}  # member -> its replicas as its driver described them
         self.ready = False
         self.stop_requested: str | None = None  # a signal's name; the loop stops between steps, never in one
         self.round_s: deque[float] = deque(maxlen=ROUNDS_KEPT)  # how long each round took
+        self.step_s: deque[float] = deque(maxlen=ROUNDS_KEPT)  # each rotation step between rounds
         self.rounds = 0
 
     # ------------------------------------------------------------ members
@@ -149,20 +156,41 @@ class Controller:
     def join(self, members: list[Member]) -> None:
         """These members' replicas answered a real completion (their drivers checked): probe them once
         more from here (the router's side of the network), then give them traffic; all of this round's
-        at once. A member whose replica failed that probe is a failed launch (replaced)."""
-        urls = {m.name: replica_urls(m.state()) for m in members}
-        failed = self.pool.join([url for name in urls for url in urls[name]])
+        at once, in the join thread. Those that joined serve at once; a member whose replica failed
+        that probe is a failed launch (replaced), decided by the next round (finish_joins)."""
+        states = {m.name: m.state() for m in members}
+        self.described.update({name: st.replicas for name, st in states.items()})  # read once, not every save
+        urls = {name: replica_urls(st) for name, st in states.items()}
+        future = self.joiner.submit(self._join, members, urls)
         for member in members:
-            why = next((failed[u] for u in urls[member.name] if u in failed), None)
-            if why:
-                self.pool.leave([u for u in urls[member.name] if u not in failed])
+            self.joining[member.name], member.note = future, "joining"
+
+    def _join(self, members: list[Member], urls: dict[str, list[str]]) -> dict[str, str]:
+        failed = self.pool.join([url for name in urls for url in urls[name]])
+        with self.lock:
+            for member in members:
+                if member.status is not MemberStatus.LAUNCHING or any(u in failed for u in urls[member.name]):
+                    continue
+                member.backends, member.status, member.note = urls[member.name], MemberStatus.SERVING, ""
+                member.ready_s = time.time() - member.launched
+                self.decide("join", f"{member.name}: {', '.join(member.backends)} in the pool after "
+                                    f"{member.ready_s:.1f} s")
+                self.failed_launches = 0
+        return failed
+
+    def finish_joins(self) -> None:
+        """Members whose join failed: out of the pool again, and a failed launch each."""
+        for name in [n for n, future in self.joining.items() if future.done()]:
+            future, member = self.joining.pop(name), self.member(name)
+            try:
+                failed = future.result()
+            except Exception as exc:  # noqa: BLE001 - the router or the probe broke: the member failed
+                failed = {url: f"join: {type(exc).__name__}: {exc}"[:300] for url in replica_urls(member.state())}
+            urls = replica_urls(member.state())
+            why = next((failed[u] for u in urls if u in failed), None)
+            if why and member.status is MemberStatus.LAUNCHING:
+                self.pool.leave([u for u in urls if u not in failed])
                 self.launch_failed(member, StageFailure(Stage.ROUTER, why))
-                continue
-            member.backends, member.status, member.note = urls[member.name], MemberStatus.SERVING, ""
-            member.ready_s = time.time() - member.launched
-            self.decide("join", f"{member.name}: {', '.join(member.backends)} in the pool after "
-                                f"{member.ready_s:.1f} s")
-            self.failed_launches = 0
 
     def leave(self, backends: list[tuple[str, str]]) -> None:
         """Backends out of the pool, each with its reason, in one router change."""
@@ -197,14 +225,19 @@ class Controller:
         self.rounds += 1
 
     def rotate_until(self, deadline: float) -> None:
-        """The time between two rounds: the load-aware rotation, every ROTATION_S."""
-        while not self.stop_requested and time.monotonic() + ROTATION_S < deadline:
-            time.sleep(ROTATION_S)
+        """The time between two rounds: a probing step and the load-aware rotation, every ROTATION_S
+        (on a fixed beat: a slow step does not push the next ones back)."""
+        next_step = time.monotonic() + ROTATION_S
+        while not self.stop_requested and next_step < deadline:
+            time.sleep(max(0.0, next_step - time.monotonic()))
+            started = time.monotonic()
             try:
                 with self.lock:
                     self.pool.rotate()
             except Exception as exc:  # noqa: BLE001 - as in tick: reported, tried again
                 self.decide("error", f"rotate: {type(exc).__name__}: {exc}"[:400])
+            self.step_s.append(time.monotonic() - started)
+            next_step = max(next_step + ROTATION_S, time.monotonic())
         time.sleep(max(0.0, deadline - time.monotonic()))
 
     def request_stop(self, signum: int, _frame) -> None:
@@ -220,7 +253,9 @@ class Controller:
 
     def check_members(self) -> None:
         """Launching members: those that serve now join (together), those that failed are reported."""
-        ready = [m for m in list(self.members) if m.status is MemberStatus.LAUNCHING and self.check_launching(m)]
+        self.finish_joins()
+        ready = [m for m in list(self.members) if m.status is MemberStatus.LAUNCHING
+                 and m.name not in self.joining and self.check_launching(m)]
         if ready:
             self.join(ready)
 
@@ -257,9 +292,11 @@ class Controller:
             raise MemberFailed(error.stage or Stage.ENGINE, error.diagnosis or RunStatus.FAILED, error.log)
 
     def check_serving(self) -> None:
-        """Every replica of the pool probed (all at once); a member whose replica failed its probes
-        stops, and self-healing replaces it."""
-        leaving = set(self.pool.probe_all())
+        """The probes' results taken in (endpoint.pool: every replica is probed once a second, spread
+        over the second); a member whose replica failed its probes stops, and self-healing replaces it."""
+        self.pool.step()
+        self.pool.record_sample()
+        leaving = set(self.pool.leaving())
         stops = []
         for member in self.members:
             url = next((u for u in member.backends if u in leaving), None)
@@ -284,6 +321,11 @@ class Controller:
             if gone:
                 self.stop_member(member, gone)
 
+    def close(self) -> None:
+        """The threads and connections of the control plane itself (members and router are stopped apart)."""
+        self.joiner.shutdown(wait=False, cancel_futures=True)
+        self.pool.close()
+
     # ------------------------------------------------------------ state
     def decide(self, action: str, reason: str) -> None:
         self.decisions.append(Decision(time.time(), action, reason))
@@ -302,23 +344,29 @@ class Controller:
 
     def save(self) -> None:
         with self.lock:
-            self.writer.update(replicas=pool_replicas(self.members, self.cfg.model.name),
+            self.writer.update(replicas=pool_replicas(self.members, self.cfg.model.name, self.described),
                                paused=sorted(self.pool.rotation.paused),
                                endpoint={"url": self.router.url, "pid": self.router.pid},
                                members=[m.to_json() for m in self.members],
-                               control={"rounds": self.rounds, **control_figures(list(self.round_s), self.runs)},
+                               control={"rounds": self.rounds, **control_figures(list(self.round_s), list(self.step_s),
+                                                                                 self.runs.slurm_queries())},
                                decisions=[d.to_dict() for d in self.decisions[-20:]])
 
 
 
-def control_figures(round_s: list[float], runs: Launcher) -> dict:
-    """The control plane's own figures for state.json: round times (ms) and Slurm queries made."""
-    ordered = sorted(round_s)
+def control_figures(round_s: list[float], step_s: list[float], slurm_queries: int | None) -> dict:
+    """The control plane's own figures for state.json: round and rotation-step times (ms), the last
+    rounds as they were, and the Slurm queries made."""
+    return {**percentiles_ms("round", round_s), **percentiles_ms("step", step_s),
+            "round_ms_recent": [round(1000 * s, 2) for s in round_s[-RECENT_ROUNDS:]],
+            "slurm_queries": slurm_queries}
+
+
+def percentiles_ms(name: str, durations: list[float]) -> dict:
+    ordered = sorted(durations)
 
     def at(q: float) -> float | None:
         return round(1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2) if ordered else None
 
-    jobs = getattr(runs, "jobs", None)  # Runs' shared JobWatcher
-    return {"rounds_kept": len(ordered), "round_ms_p50": at(0.5), "round_ms_p99": at(0.99), "round_ms_max": at(1.0),
-            "round_ms_recent": [round(1000 * s, 2) for s in round_s[-RECENT_ROUNDS:]],
-            "slurm_queries": jobs.calls if jobs is not None else None}
+    return {f"{name}s_kept": len(ordered), f"{name}_ms_p50": at(0.5), f"{name}_ms_p99": at(0.99),
+            f"{name}_ms_max": at(1.0)}

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Literal
@@ -34,6 +35,19 @@ def should_leave(recent: list[ProbeResult]) -> bool:
     """The last FAILED_PROBES_TO_LEAVE probes all failed."""
     tail = recent[-FAILED_PROBES_TO_LEAVE:]
     return len(tail) == FAILED_PROBES_TO_LEAVE and not any(p.ok for p in tail)
+
+
+def probes_due(backends: list[str], last_started: dict[str, float], now: float, every_s: float,
+               step_s: float) -> list[str]:
+    """The backends to probe (/health and /metrics) in this step of the controller's loop (one every
+    step_s). Each is probed every every_s, and a step probes at most its share of the pool (the most
+    overdue first), so the probes of 256 replicas spread evenly over the second instead of 512
+    requests in one burst each round; replicas that joined together drift apart within a second.
+    Pure."""
+    share = max(1, math.ceil(len(backends) * step_s / every_s))
+    due = sorted((last_started.get(url, float("-inf")), url) for url in backends
+                 if now - last_started.get(url, float("-inf")) >= every_s - step_s / 2)
+    return [url for _, url in due[:share]]
 
 
 def reads_due(backends: list[str], loads: dict[str, EngineLoad], paused: set[str], last_read: dict[str, float],

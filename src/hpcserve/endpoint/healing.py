@@ -8,15 +8,22 @@ from hpcserve.core.statuses import MemberRole
 from hpcserve.endpoint.policy import ControlPlane
 
 MAX_FAILED_LAUNCHES = 3  # members in a row that never became ready: stop replacing, say why
+# Replacements launched in one round, the rest in the next ones: when 10 % of 256 replicas are lost at
+# once, 25 submissions in one round would hold it for seconds (an sbatch each) and hit slurmctld as a
+# burst; four a round replace them within seven rounds.
+MAX_REPLACEMENTS_PER_ROUND = 4
 
 
 class SelfHealing:
     name = "keep_count"
 
     def step(self, ctl: ControlPlane) -> None:
+        launched = 0
         for member in ctl.members:
             if not member.status.lost or member.retired or member.successor:
                 continue
+            if launched >= MAX_REPLACEMENTS_PER_ROUND:
+                return
             if ctl.failed_launches >= MAX_FAILED_LAUNCHES:
                 member.successor = "none"
                 ctl.decide("give up", f"{ctl.failed_launches} launches in a row never became ready: "
@@ -24,6 +31,7 @@ class SelfHealing:
                 continue
             successor = ctl.launch(MemberRole.REPLACEMENT, Layout(**member.layout), member.name, member.group)
             member.successor = successor.name
+            launched += 1
 
     def forget(self, url: str) -> None:
         pass

@@ -5,10 +5,11 @@ A replica joins after its member's driver saw a real completion and the endpoint
 its member's job ends, or when it is drained on purpose. Between the controller's rounds the
 load-aware rotation (endpoint.rotation) keeps saturated backends out of the router's rotation.
 
-Everything here is done for all backends at once, so that a round costs about the same at 4 and at
-256 replicas (docs/benchmarks/scale.md): the probes and /metrics reads run concurrently (bounded, each
-with its own timeout: endpoint.probe), joins and leaves of one round are one router.apply, and the
-rotation reads busy backends five times a second but idle ones once (decisions.reads_due).
+A round costs about the same at 4 and at 256 replicas (docs/benchmarks/scale.md): probes and /metrics
+reads run on the prober's event loop (bounded, each with its own timeout: endpoint.probe), started in
+steps five times a second and spread over the second (decisions.probes_due), busy backends read every
+step and idle ones once a second (decisions.reads_due); the controller's loop takes the results in
+and never waits on a probe. Joins and leaves of one round are one router.apply each.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
-from hpcserve.endpoint.decisions import LoadSample, ProbeResult, reads_due, should_leave
-from hpcserve.endpoint.probe import Prober
+from hpcserve.endpoint.decisions import LoadSample, ProbeResult, probes_due, reads_due, should_leave
+from hpcserve.endpoint.probe import Kind, Prober, Result
 from hpcserve.endpoint.rotation import Rotation
 from hpcserve.endpoint.router import Router
 from hpcserve.engine.client import completion_probe
@@ -29,6 +31,7 @@ ROTATION_S = 0.2  # the load-aware rotation between rounds (measured: docs/bench
 HISTORY_SAMPLES = 600  # load samples kept for the autoscaler (about ten minutes at one a second)
 JOIN_PROBES_AT_ONCE = 16  # real completions sent at once to joining replicas
 JOIN_TIMEOUT_S = 60.0
+READ_WAIT_S = 0.1  # how long a rotation step waits for its /metrics reads (the rest: next step)
 
 
 class Pool:
@@ -41,6 +44,8 @@ class Pool:
         self.probes: dict[str, list[ProbeResult]] = {}
         self.loads: dict[str, EngineLoad] = {}  # each backend's last /metrics figures
         self.last_read: dict[str, float] = {}  # when they were read (monotonic)
+        self.probe_started: dict[str, float] = {}  # when each backend's last probe was started
+        self.last_step = 0.0
         self.history: list[LoadSample] = []  # waiting/running/finished per backend, about once a second
         self.rotation = Rotation(router)
         self.prober = Prober(api_key)
@@ -73,7 +78,7 @@ class Pool:
             self.router.apply(remove=urls)
         for url in urls:
             self.rotation.paused.discard(url)
-            for table in (self.probes, self.loads, self.last_read):
+            for table in (self.probes, self.loads, self.last_read, self.probe_started):
                 table.pop(url, None)
 
     def answering(self) -> set[str]:
@@ -83,58 +88,74 @@ class Pool:
     def in_rotation(self) -> list[str]:
         return [u for u in self.backends() if u not in self.rotation.paused]
 
-    # ------------------------------------------------------------ probes
-    def probe_all(self) -> list[str]:
-        """Probe every backend of the pool at once and remember the results; the backends that must
-        leave (FAILED_PROBES_TO_LEAVE failed probes in a row). /metrics (the API process answers) and
-        /health (vLLM: the engine core is alive); the load figures feed the autoscaler and the
-        rotation. The real completion was sent when the replica joined."""
-        urls = self.backends()
-        results = self.prober.probe(urls, PROBE_TIMEOUT_S)
+    # ------------------------------------------------------------ probes and reads
+    def step(self, wait_for_reads_s: float = 0.0) -> None:
+        """One step of the probing, every ROTATION_S (and each round): the results that came in since
+        the last step are taken in, then the probes due (each backend once a second, spread over the
+        second: decisions.probes_due) and the /metrics reads due (busy backends every step, idle ones
+        once a second: decisions.reads_due) are started. The network is the prober's: the loop waits
+        for this step's reads up to wait_for_reads_s (the rotation wants fresh figures), never for
+        probes (a silent replica takes its whole timeout)."""
+        self.absorb(self.prober.collect())
         now = time.monotonic()
-        leaving = []
-        for url, probed in results.items():
-            recent = self.probes.setdefault(url, [])
-            recent.append(ProbeResult(probed.ok, probed.detail))
-            del recent[:-10]
-            if probed.load is not None:
-                self.loads[url], self.last_read[url] = probed.load, now
-                self.record_load(url, probed.load)
-            if should_leave(recent):
-                leaving.append(url)
-        return leaving
+        elapsed = max(ROTATION_S, now - self.last_step) if self.last_step else ROTATION_S
+        self.last_step = now
+        backends = self.backends()
+        probes = probes_due(backends, self.probe_started, now, self.tick_s, elapsed)
+        reads = [url for url in reads_due(sorted(self.answering()), self.loads, self.rotation.paused, self.last_read,
+                                          now, ROTATION_S, self.tick_s) if url not in probes]
+        for url in probes:
+            self.probe_started[url] = now
+        batch = self.prober.start(probes, reads, PROBE_TIMEOUT_S, ROTATION_S)
+        if reads and wait_for_reads_s:
+            try:
+                batch.result(timeout=wait_for_reads_s)
+            except FutureTimeout:
+                pass
+        self.absorb(self.prober.collect())
+
+    def absorb(self, results: list[Result]) -> None:
+        """Probe and read results into the pool's tables (those of backends that left are dropped)."""
+        for result in results:
+            if result.url not in self.probes:
+                continue
+            if result.probed.load is not None:
+                self.loads[result.url], self.last_read[result.url] = result.probed.load, result.finished
+            if result.kind is Kind.PROBE:
+                recent = self.probes[result.url]
+                recent.append(ProbeResult(result.probed.ok, result.probed.detail))
+                del recent[:-10]
+
+    def leaving(self) -> list[str]:
+        """The backends that must leave: their last FAILED_PROBES_TO_LEAVE probes failed."""
+        return [url for url in self.backends() if should_leave(self.probes.get(url, []))]
 
     def last_probe(self, url: str) -> ProbeResult | None:
         recent = self.probes.get(url)
         return recent[-1] if recent else None
 
-    def record_load(self, url: str, load: EngineLoad) -> None:
-        now = time.time()
-        if not self.history or now - self.history[-1].time > self.tick_s / 2:
-            self.history.append(LoadSample(now, {}, {}))
-        self.history[-1].waiting[url] = load.waiting
-        self.history[-1].running[url] = load.running
-        if load.finished is not None:
-            self.history[-1].finished[url] = load.finished
+    def record_sample(self) -> None:
+        """Every backend's last known load as one sample, once a round, for the autoscaler."""
+        backends = [url for url in self.backends() if url in self.loads]
+        if not backends:
+            return
+        loads = {url: self.loads[url] for url in backends}
+        finished = {url: load.finished for url, load in loads.items() if load.finished is not None}
+        self.history.append(LoadSample(time.time(), {u: ld.waiting for u, ld in loads.items()},
+                                       {u: ld.running for u, ld in loads.items()}, finished))
         del self.history[:-HISTORY_SAMPLES]
 
     # ------------------------------------------------------------ load-aware rotation
     def balance(self) -> None:
-        """Each round, with the probes' figures."""
+        """Each round, with the figures known."""
         self.rotation.update(self.backends(), self.answering(), self.loads)
 
     def rotate(self) -> None:
-        """Between rounds, every ROTATION_S: the load of the answering backends that are due (busy ones
-        each time, idle ones once a second), and the rotation updated. A slow replica then gets new
-        requests about as fast as it finishes them (docs/endpoint.md)."""
-        answering = self.answering()
-        now = time.monotonic()
-        due = reads_due(sorted(answering), self.loads, self.rotation.paused, self.last_read, now,
-                        ROTATION_S, self.tick_s)
-        for url, load in self.prober.loads(due, ROTATION_S).items():
-            if load is not None:
-                self.loads[url], self.last_read[url] = load, now
-        self.rotation.update(self.backends(), answering, self.loads)
+        """Between rounds, every ROTATION_S: a probing step that waits a little for this step's reads,
+        and the rotation updated with them. A slow replica then gets new requests about as fast as it
+        finishes them (docs/endpoint.md)."""
+        self.step(wait_for_reads_s=READ_WAIT_S)
+        self.rotation.update(self.backends(), self.answering(), self.loads)
 
     def busy(self, url: str) -> bool:
         """Requests still run or wait on it (a dead engine has nothing left to drain)."""

@@ -7,8 +7,10 @@ at most MAX_IN_FLIGHT at a time, each with its own timeout, so a round takes abo
 slowest replica, not the sum of them (measured: docs/benchmarks/scale.md).
 
     prober = Prober(api_key)
-    results = prober.probe(urls, timeout_s=1.0)     # url -> ProbeResult (health and load)
+    results = prober.probe(urls, timeout_s=1.0)     # url -> Probed (health and load), waiting for all
     loads = prober.loads(urls, timeout_s=0.2)       # url -> EngineLoad | None
+    batch = prober.start(probe_urls, read_urls, 1.0, 0.2)   # returns at once (the controller's way)
+    prober.collect()                                 # [Result] finished since the last call
     prober.close()
 """
 
@@ -16,8 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
+from collections import deque
 from collections.abc import Coroutine
+from concurrent.futures import Future
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, TypeVar
 
 import aiohttp
@@ -38,6 +44,19 @@ class Probed:
     load: EngineLoad | None = None
 
 
+class Kind(StrEnum):
+    PROBE = "probe"  # /health and /metrics: is it alive (and its load)
+    READ = "read"  # /metrics alone: its load, for the rotation
+
+
+@dataclass(frozen=True)
+class Result:
+    url: str
+    kind: Kind
+    probed: Probed
+    finished: float  # time.monotonic()
+
+
 class Prober:
     """An event loop in a thread of its own, one HTTP session (keep-alive connections to every backend)."""
 
@@ -47,6 +66,8 @@ class Prober:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="prober", daemon=True)
         self.thread.start()
+        self.in_flight: set[tuple[str, Kind]] = set()  # touched by the loop's thread only
+        self.done: deque[Result] = deque()  # appended by the loop's thread, emptied by collect()
         self.session, self.slots = self._run(self._open())
 
     async def _open(self) -> tuple[aiohttp.ClientSession, asyncio.Semaphore]:
@@ -61,7 +82,7 @@ class Prober:
 
     # -------------------------------------------------------------- the probes
     def probe(self, urls: list[str], timeout_s: float) -> dict[str, Probed]:
-        """/health and /metrics of each backend, all at once."""
+        """/health and /metrics of each backend, all at once; waits for all of them."""
         return self._run(self._many(self._probe_one, urls, timeout_s), timeout_s * 4 + 5)
 
     def loads(self, urls: list[str], timeout_s: float) -> dict[str, EngineLoad | None]:
@@ -73,6 +94,40 @@ class Prober:
         timeout = aiohttp.ClientTimeout(total=timeout_s)
         results = await asyncio.gather(*(one(url, timeout) for url in urls))
         return dict(zip(urls, results))
+
+    def start(self, probes: list[str], reads: list[str], probe_timeout_s: float, read_timeout_s: float) -> Future:
+        """Start probes (/health and /metrics) and reads (/metrics) and return at once: the controller's
+        loop never waits on the network. A backend whose probe (or read) is still in flight is not
+        asked again. The returned future is done when this batch's reads are (probes may take their
+        whole timeout: a silent replica); every result arrives through collect()."""
+        return asyncio.run_coroutine_threadsafe(self._batch(probes, reads, probe_timeout_s, read_timeout_s), self.loop)
+
+    def collect(self) -> list[Result]:
+        """Results finished since the last call, oldest first."""
+        out = []
+        while self.done:
+            out.append(self.done.popleft())
+        return out
+
+    async def _batch(self, probes: list[str], reads: list[str], probe_timeout_s: float, read_timeout_s: float) -> None:
+        for url in probes:
+            self._launch(url, Kind.PROBE, self._probe_one, probe_timeout_s)
+        waited = [self._launch(url, Kind.READ, self._load_one, read_timeout_s) for url in reads]
+        await asyncio.gather(*(task for task in waited if task is not None))
+
+    def _launch(self, url: str, kind: Kind, one, timeout_s: float) -> asyncio.Task | None:
+        if (url, kind) in self.in_flight:
+            return None
+        self.in_flight.add((url, kind))
+
+        async def run() -> None:
+            try:
+                probed = await one(url, aiohttp.ClientTimeout(total=timeout_s))
+            finally:
+                self.in_flight.discard((url, kind))
+            self.done.append(Result(url, kind, probed, time.monotonic()))
+
+        return self.loop.create_task(run())
 
     async def _get(self, url: str, timeout: aiohttp.ClientTimeout) -> tuple[int, str]:
         async with self.slots, self.session.get(url, headers=self.headers, timeout=timeout) as response:

@@ -68,6 +68,7 @@ def teardown(ctl: Controller) -> None:
         for member in ctl.members:
             member.status = MemberStatus.GONE
     ctl.router.stop()
+    ctl.close()
     ctl.save()
 
 

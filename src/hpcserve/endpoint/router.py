@@ -79,7 +79,8 @@ def launcher_argv(host: str, port: int, metrics_port: int, api_key_file: Path | 
 
 
 class Router:
-    """The router process and its admin API. Not thread-safe; one controller drives it."""
+    """The router process and its admin API. One controller drives it; its membership calls may come
+    from two threads at once (the controller's round and its join thread), each about other backends."""
 
     def __init__(self, host: str, port: int, api_key_file: Path | None, log_path: Path, model: str | None = None,
                  policy: str = "round_robin", metrics_port: int | None = None, python: str = sys.executable):
@@ -96,7 +97,7 @@ class Router:
         # Shared by the admin calls of apply(), which run in threads (httpx's Client is thread-safe)
         self._client = httpx.Client(timeout=httpx.Timeout(10.0, connect=2.0), trust_env=False,
                                     limits=httpx.Limits(max_connections=ADMIN_CALLS_AT_ONCE + 4))
-        self._executor: ThreadPoolExecutor | None = None
+        self._executor = ThreadPoolExecutor(ADMIN_CALLS_AT_ONCE, thread_name_prefix="router-admin")
 
     @property
     def url(self) -> str:
@@ -164,8 +165,7 @@ class Router:
         self.pid, self._process = None, None
 
     def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False)
+        self._executor.shutdown(wait=False)
         self._client.close()
 
     # -------------------------------------------------------------- membership
@@ -228,8 +228,6 @@ class Router:
             time.sleep(POLL_S / 2)
 
     def _pool(self) -> ThreadPoolExecutor:
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(ADMIN_CALLS_AT_ONCE, thread_name_prefix="router-admin")
         return self._executor
 
     def remove(self, url: str, drain_s: float = 30.0) -> bool:

@@ -3,7 +3,7 @@ does the same "so as not to overload" Slurm: sites rate-limit squeue, and slurmc
 client in turn).
 
     jobs = JobWatcher(SlurmClient(), interval_s=5.0)
-    jobs.watch("123")            # a new job: the next answer includes it
+    jobs.watch("123")            # a new job: the next call includes it
     jobs.info("123")             # JobInfo as of the last call (at most interval_s old), None if unknown
     jobs.forget("123")
 
@@ -55,6 +55,7 @@ class JobWatcher:
         self.watched: set[str] = set()
         self.known: dict[str, JobInfo | None] = {}  # None: no Slurm command knows the job
         self.last_call: float | None = None
+        self.asked: set[str] = set()  # jobs asked about at least once
         self.calls = 0  # squeue calls made (what sites rate-limit), for status and the benchmarks
         self.last_error: str | None = None
         self._lock = threading.Lock()
@@ -69,15 +70,19 @@ class JobWatcher:
             self.known.pop(job_id, None)
 
     def info(self, job_id: str) -> JobInfo | None:
-        """The job as of the last answer; None when Slurm does not know it (or did not answer)."""
+        """The job as of the last answer; None when Slurm does not know it (or did not answer). A job
+        never asked about is asked about now (with all others: watch() jobs first, and one call answers
+        for all of them), so that "not asked yet" is never taken for "unknown to Slurm"."""
         with self._lock:
             self.watched.add(job_id)
-            if refresh_due(self.last_call, self.clock(), self.interval_s, self.watched, self.known):
+            if job_id not in self.asked or refresh_due(self.last_call, self.clock(), self.interval_s,
+                                                       self.watched, self.known):
                 self._refresh()
             return self.known.get(job_id)
 
     def _refresh(self) -> None:
         asked = jobs_to_ask(self.watched, self.known)
+        self.asked |= set(asked)
         self.last_call = self.clock()
         self.calls += 1
         try:

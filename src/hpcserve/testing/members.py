@@ -54,6 +54,7 @@ class StandinRuns:
         self.free = sorted(s["port"] for s in described["standins"])
         self.host, self.ready_after_s = host, ready_after_s
         self.lock = threading.Lock()
+        self.alive, self.alive_checked = True, float("-inf")
 
     def launch(self, cfg: DeploymentConfig, results: Path, extra_env: dict[str, str]) -> Record:
         with self.lock:
@@ -75,6 +76,16 @@ class StandinRuns:
 
     def run_of(self, record: Record) -> StandinRun:
         return StandinRun(record, self)
+
+    def slurm_queries(self) -> int | None:
+        return None
+
+    def farm_alive(self) -> bool:
+        """Looked at once a second at most: the controller asks for every member in turn."""
+        now = time.monotonic()
+        if now - self.alive_checked > 1.0:
+            self.alive, self.alive_checked = psutil.pid_exists(self.pid), now
+        return self.alive
 
     def release(self, port: int) -> None:
         self.farm.act("stop", [port])
@@ -100,7 +111,7 @@ class StandinRun:
         return int(RunStateWriter(Path(self.record.run_dir)).state["standin_port"])
 
     def gone(self) -> str | None:
-        return None if psutil.pid_exists(self.runs.pid) else "the stand-in farm exited"
+        return None if self.runs.farm_alive() else "the stand-in farm exited"
 
     def stop(self, timeout_s: float = 90.0, grace_s: float = 0.0) -> list[int]:
         self.runs.release(self.port)
