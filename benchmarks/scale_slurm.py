@@ -54,7 +54,8 @@ SANDBOX_ROOT, SANDBOX_PREFIX = Path("/tmp/hpcserve-sandbox-scale"), "hx"
 def config(name: str, replicas: int, port: int, results: Path, time_limit: str, handover_s: float | None,
            autoscale: dict | None) -> dict:
     raw = {"name": name, "model": {"path": "builtin:tiny-llama", "served_name": "stub"},
-           "cluster": {"scheduler": "slurm", "nodes": 1, "cpus_per_node": 1, "gpus_per_node": 0,
+           # nodes: what the layout check counts; each member's job asks for one node, one CPU
+           "cluster": {"scheduler": "slurm", "nodes": replicas, "cpus_per_node": 1, "gpus_per_node": 0,
                        "time": time_limit},
            "parallelism": {"tensor": 1, "pipeline": 1, "replicas": replicas},
            # 16 tokens of 20 ms, 2 at once: about 6 requests/s a member, so a loop of clients queues
