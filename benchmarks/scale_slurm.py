@@ -144,6 +144,7 @@ def run_scale(sandbox: Sandbox, directory: Path, args: argparse.Namespace) -> di
             print(f"scale up: {len(serving(record))} serving after {time.monotonic() - up_started:.0f} s", flush=True)
         result["up_s"] = round(time.monotonic() - up_started, 1)
         result["up_serving"] = len(serving(record))
+        result["memory_at_max"] = memory(sandbox, record)
         result["up"] = meter.summary()
         down_started = time.monotonic()
         meter = Meter(sandbox, record)
@@ -213,14 +214,36 @@ def run_handover(sandbox: Sandbox, directory: Path, args: argparse.Namespace) ->
     return result
 
 
-def squeue_latency(sandbox: Sandbox) -> dict:
-    """squeue for every job, and scontrol ping, timed from the login node at this size."""
-    times = []
-    for _ in range(5):
-        started = time.perf_counter()
-        subprocess.run(["squeue", "--noheader", "--states=all"], capture_output=True, timeout=30)
-        times.append((time.perf_counter() - started) * 1000)
-    return {"squeue_ms_p50": round(percentile(times, 50), 1), "squeue_ms_max": round(max(times), 1)}
+def slurm_latency() -> dict:
+    """squeue for every job and an sbatch that only asks slurmctld (--test-only), timed from the login
+    node at this size: what one Slurm query and one submission cost here."""
+    def timed(argv: list[str]) -> list[float]:
+        times = []
+        for _ in range(5):
+            started = time.perf_counter()
+            subprocess.run(argv, capture_output=True, timeout=30)
+            times.append((time.perf_counter() - started) * 1000)
+        return times
+
+    squeue = timed(["squeue", "--noheader", "--states=all"])
+    sbatch = timed(["sbatch", "--test-only", "-N1", "-n1", "-t1", "--wrap=true"])
+    return {"squeue_ms_p50": round(percentile(squeue, 50), 1), "squeue_ms_max": round(max(squeue), 1),
+            "sbatch_test_only_ms_p50": round(percentile(sbatch, 50), 1)}
+
+
+def memory(sandbox: Sandbox, record: Record) -> dict:
+    """Resident memory of the sandbox's nodes (their processes, members included) and the controller."""
+    def rss(pids: list[int]) -> float:
+        total = 0
+        for pid in pids:
+            try:
+                total += psutil.Process(pid).memory_info().rss
+            except psutil.Error:
+                pass
+        return round(total / 2**30, 2)
+
+    return {"nodes_rss_gib": rss([p for n in sandbox.node_names() for p in sandbox.node_pids(n)]),
+            "controller_rss_gib": rss([record.driver_pid]), "used_gib": round(psutil.virtual_memory().used / 2**30, 1)}
 
 
 def main() -> int:
@@ -249,7 +272,7 @@ def main() -> int:
     results["sandbox_memory_gib"] = round((psutil.virtual_memory().used - mem0) / 2**30, 2)
     os.environ.update(sandbox.env())
     try:
-        results["squeue"] = squeue_latency(sandbox)
+        results["slurm"] = slurm_latency()
         for run in args.runs.split(","):
             results[run] = (run_scale if run == "scale" else run_handover)(sandbox, directory, args)
             print(f"{run}: {json.dumps(results[run])}", flush=True)
