@@ -19,6 +19,10 @@ from hpcserve.engine.metrics import EngineLoad
 # A backend whose probes failed this many times in a row leaves the pool. With a probe every second
 # and a one-second timeout, a dead backend is out within about 3 s.
 FAILED_PROBES_TO_LEAVE = 2
+# Launches (replacements, successors) in one round, the rest in the next ones: when 10 % of 256 replicas
+# are lost at once, or 256 jobs started together reach their time limit together, 25 or 256 sbatch in
+# one round would hold it for seconds and hit slurmctld as a burst; four a round spread them out.
+LAUNCHES_PER_ROUND = 4
 # A successor starts this many times its predecessor's measured startup before the time limit, plus
 # the margin below: the load time varies with the node and the file system's mood.
 HANDOVER_STARTUP_FACTOR = 1.5

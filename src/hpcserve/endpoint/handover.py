@@ -7,7 +7,7 @@ from datetime import datetime
 
 from hpcserve.core.config import DeploymentConfig, Layout
 from hpcserve.core.statuses import MemberRole, MemberStatus
-from hpcserve.endpoint.decisions import handover_due, handover_lead_s
+from hpcserve.endpoint.decisions import LAUNCHES_PER_ROUND, handover_due, handover_lead_s
 from hpcserve.endpoint.policy import ControlPlane
 
 
@@ -21,6 +21,7 @@ class Handover:
     def step(self, ctl: ControlPlane) -> None:
         if not self.on_slurm:
             return
+        launched = 0
         for member in ctl.members:
             if member.status is not MemberStatus.SERVING:
                 continue
@@ -33,7 +34,8 @@ class Handover:
                     member.successor = None  # that one never served: start another next round
                 continue
             lead = handover_lead_s(member.ready_s, self.configured_lead_s)
-            if handover_due(member.end_time, datetime.now(), lead):
+            if handover_due(member.end_time, datetime.now(), lead) and launched < LAUNCHES_PER_ROUND:
+                launched += 1
                 successor = ctl.launch(MemberRole.SUCCESSOR, Layout(**member.layout), member.name, member.group)
                 member.successor = successor.name
                 ctl.decide("hand over", f"{member.name} ends at {member.end_time}: successor {successor.name} "

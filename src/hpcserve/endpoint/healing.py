@@ -5,13 +5,10 @@ from __future__ import annotations
 
 from hpcserve.core.config import Layout
 from hpcserve.core.statuses import MemberRole
+from hpcserve.endpoint.decisions import LAUNCHES_PER_ROUND
 from hpcserve.endpoint.policy import ControlPlane
 
 MAX_FAILED_LAUNCHES = 3  # members in a row that never became ready: stop replacing, say why
-# Replacements launched in one round, the rest in the next ones: when 10 % of 256 replicas are lost at
-# once, 25 submissions in one round would hold it for seconds (an sbatch each) and hit slurmctld as a
-# burst; four a round replace them within seven rounds.
-MAX_REPLACEMENTS_PER_ROUND = 4
 
 
 class SelfHealing:
@@ -22,7 +19,7 @@ class SelfHealing:
         for member in ctl.members:
             if not member.status.lost or member.retired or member.successor:
                 continue
-            if launched >= MAX_REPLACEMENTS_PER_ROUND:
+            if launched >= LAUNCHES_PER_ROUND:
                 return
             if ctl.failed_launches >= MAX_FAILED_LAUNCHES:
                 member.successor = "none"
