@@ -191,13 +191,13 @@ def phase_idle(record: Record, farm: FarmClient, router_pid: int, rounds: Rounds
             "health_per_s": round(health, 1), "metrics_per_s": round(metrics, 1)}
 
 
-def phase_latency(directory: Path, router_url: str, direct: list[str], rate: float, blocks: int,
-                  seconds: float) -> dict:
+def phase_latency(directory: Path, router_url: str, rate: float, blocks: int, seconds: float) -> dict:
     runs: dict[str, list[dict]] = {"direct": [], "router": []}
     for index in range(blocks):
         order = ("direct", "router") if index % 2 == 0 else ("router", "direct")
         for mode in order:
-            target = direct if mode == "direct" else [router_url]
+            # Direct: the replicas in the router now (an overloaded farm may have lost and replaced some)
+            target = sorted(router_workers(router_url)) if mode == "direct" else [router_url]
             runs[mode].append(load(directory, f"lat-{rate:g}-{mode}-{index}", target, seconds, rate=rate))
     merged = {mode: {"latency_ms": [x for r in rs for x in r["latency_ms"]], "ok": sum(r["ok"] for r in rs),
                      "failed": sum(r["failed"] for r in rs),
@@ -211,9 +211,10 @@ def phase_latency(directory: Path, router_url: str, direct: list[str], rate: flo
             "added_p99_ms": round(r["p99_ms"] - d["p99_ms"], 3) if d["p99_ms"] and r["p99_ms"] else None}
 
 
-def phase_ceiling(directory: Path, router_url: str, direct: list[str], seconds: float, concurrency: int) -> dict:
+def phase_ceiling(directory: Path, router_url: str, seconds: float, concurrency: int) -> dict:
     routed = latency_summary(load(directory, "ceiling-router", [router_url], seconds, concurrency=concurrency))
-    straight = latency_summary(load(directory, "ceiling-direct", direct, seconds, concurrency=concurrency))
+    straight = latency_summary(load(directory, "ceiling-direct", sorted(router_workers(router_url)), seconds,
+                                    concurrency=concurrency))
     return {"concurrency": concurrency, "router": routed, "direct": straight}
 
 
@@ -267,7 +268,7 @@ def measure(replicas: int, args: argparse.Namespace, root: Path) -> dict:
             raise RuntimeError(f"the endpoint failed: {state(record).get('error')}")
         result["ready_s"] = round(time.monotonic() - t0, 1)
         router_url, router_pid = router_of(record)
-        direct = [f"http://127.0.0.1:{p}" for p in ports if f"http://127.0.0.1:{p}" in router_workers(router_url)]
+        direct = sorted(router_workers(router_url))
         rounds = Rounds(record)
         result["idle"] = phase_idle(record, farm, router_pid, rounds, args.idle_s)
         page = len(httpx.get(f"{direct[0]}/metrics", timeout=5).content)
@@ -275,11 +276,11 @@ def measure(replicas: int, args: argparse.Namespace, root: Path) -> dict:
         print(f"N={replicas} ready {result['ready_s']} s; idle {result['idle']}", flush=True)
         result["latency"] = []
         for rate in [float(r) for r in args.rates.split(",") if r]:
-            point = phase_latency(directory, router_url, direct, rate, args.blocks, args.block_s)
+            point = phase_latency(directory, router_url, rate, args.blocks, args.block_s)
             result["latency"].append(point)
             print(f"N={replicas} latency at {rate:g}/s: {json.dumps(point)}", flush=True)
         if args.ceiling_s:
-            result["ceiling"] = phase_ceiling(directory, router_url, direct, args.ceiling_s, args.concurrency)
+            result["ceiling"] = phase_ceiling(directory, router_url, args.ceiling_s, args.concurrency)
             print(f"N={replicas} ceiling: {json.dumps(result['ceiling'])}", flush=True)
         if args.kill_s:
             result["kill"] = phase_kill(directory, record, farm, router_url, rounds, args.kill_rate, args.kill_s)
