@@ -63,11 +63,12 @@ def percentile(values: list[float], q: float) -> float | None:
 
 # ------------------------------------------------------------------ the pieces
 
-def start_farm(directory: Path, count: int) -> tuple[subprocess.Popen, FarmClient, list[int]]:
+def start_farm(directory: Path, count: int, small_metrics: bool) -> tuple[subprocess.Popen, FarmClient, list[int]]:
     ports = sorted({free_loopback_port() for _ in range(count * 2)})[:count]
     admin = free_loopback_port()
     proc = spawn([PYTHON, "-m", "hpcserve.testing.standin", "--ports", ",".join(map(str, ports)),
-                  "--admin-port", str(admin)], directory / "farm.log", {"HPCSERVE_STUB_API_KEY": KEY})
+                  "--admin-port", str(admin)] + (["--small-metrics"] if small_metrics else []),
+                 directory / "farm.log", {"HPCSERVE_STUB_API_KEY": KEY})
     farm = FarmClient(f"http://127.0.0.1:{admin}")
     wait_until(lambda: len(farm.describe()["standins"]) == count, 120, "the farm's admin API")
     # Every stand-in stays stopped until a member takes it: the farm starts all of them.
@@ -256,7 +257,7 @@ def phase_kill(directory: Path, record: Record, farm: FarmClient, router_url: st
 def measure(replicas: int, args: argparse.Namespace, root: Path) -> dict:
     directory = root / f"n{replicas}"
     directory.mkdir(parents=True)
-    farm_proc, farm, ports = start_farm(directory, replicas + max(2, replicas // 10) + 2)
+    farm_proc, farm, ports = start_farm(directory, replicas + max(2, replicas // 10) + 2, args.small_metrics)
     record = None
     result: dict = {"replicas": replicas}
     try:
@@ -304,6 +305,9 @@ def main() -> int:
     parser.add_argument("--kill-rate", type=float, default=200)
     parser.add_argument("--kill-s", type=float, default=24)
     parser.add_argument("--ready-timeout-s", type=float, default=600)
+    parser.add_argument("--small-metrics", action="store_true",
+                        help="stand-ins serve only the four figures read (not vLLM's 50 KB page): the farm, one "
+                             "process for every replica, then spends its CPU on requests, not on pages")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="scale-", dir=os.environ.get("HPCSERVE_SCRATCH")))
