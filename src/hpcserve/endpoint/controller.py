@@ -123,13 +123,21 @@ class Controller:
                 member.status = MemberStatus.GONE
 
     def drain(self, url: str, why: str) -> None:
-        """No new requests to the backend; its member stops once nothing runs on it (no request cut)."""
+        self.drain_all([(url, why)])
+
+    def drain_all(self, backends: list[tuple[str, str]]) -> None:
+        """No new requests to these backends (one router change: a walltime handover may drain dozens
+        in one round); each member stops once nothing runs on it (no request cut)."""
         with self.lock:
-            member = next(m for m in self.members if url in m.backends)
-            self.leave([(url, why)])
-            member.backends.remove(url)
-            member.status, member.note, member.retired = MemberStatus.DRAINING, why, True
-        threading.Thread(target=self._stop_when_idle, args=(member, [url], why), daemon=True).start()
+            self.leave(backends)
+            drained = []
+            for url, why in backends:
+                member = next(m for m in self.members if url in m.backends)
+                member.backends.remove(url)
+                member.status, member.note, member.retired = MemberStatus.DRAINING, why, True
+                drained.append((member, url, why))
+        for member, url, why in drained:
+            threading.Thread(target=self._stop_when_idle, args=(member, [url], why), daemon=True).start()
 
     def _stop_when_idle(self, member: Member, urls: list[str], why: str) -> None:
         deadline = time.monotonic() + DRAIN_TIMEOUT_S

@@ -21,15 +21,14 @@ class Handover:
     def step(self, ctl: ControlPlane) -> None:
         if not self.on_slurm:
             return
-        launched = 0
+        launched, drains = 0, []
         for member in ctl.members:
             if member.status is not MemberStatus.SERVING:
                 continue
             if member.successor:
                 successor = ctl.member(member.successor)
                 if successor.status is MemberStatus.SERVING:
-                    for url in list(member.backends):
-                        ctl.drain(url, f"handed over to {successor.name}")
+                    drains += [(url, f"handed over to {successor.name}") for url in member.backends]
                 elif successor.status.lost:
                     member.successor = None  # that one never served: start another next round
                 continue
@@ -40,6 +39,8 @@ class Handover:
                 member.successor = successor.name
                 ctl.decide("hand over", f"{member.name} ends at {member.end_time}: successor {successor.name} "
                            f"started {lead:.0f} s ahead")
+        if drains:
+            ctl.drain_all(drains)
 
     def forget(self, url: str) -> None:
         pass
