@@ -38,11 +38,11 @@ import psutil
 import yaml
 
 from hpcserve.core.config import parse_config
+from hpcserve.core.files import read_json
 from hpcserve.core.net import free_loopback_port
+from hpcserve.core.paths import RunPaths
 from hpcserve.core.registry import Record
 from hpcserve.core.runstate import RunState
-from hpcserve.core.files import read_json
-from hpcserve.core.paths import RunPaths
 from hpcserve.core.statuses import RunKind, RunStatus
 from hpcserve.deployment.runs import LocalRun
 from hpcserve.testing.endpoint import FARM_ENV

@@ -13,7 +13,6 @@ at 256 replicas, then the real pieces (stand-in farm, prober, router, controller
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
