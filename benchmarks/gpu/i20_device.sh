@@ -23,6 +23,8 @@
 #   routing [WORKLOAD:POLICY...] [--budget S]
 #                             two replicas on the one GPU + vllm-router 0.1.17; WORKLOAD pre | mt | cal | vb,
 #                             POLICY round_robin | cache_aware | consistent_hash | power_of_two | random
+#                             | hps:prefix | hps:least_loaded | hps:round_robin (hpcserve's own data plane,
+#                             hpcserve.endpoint.dataplane from src/, instead of vllm-router on port 8000)
 # A step is skipped (and says so) when it might not end within the budget (seconds since the phase began).
 set -uo pipefail
 T_START=$(date +%s)
@@ -278,13 +280,52 @@ replica() { # IDX PORT
     VLLM_CACHE_ROOT=$VC TRITON_CACHE_DIR=$VC/triton-pre TORCHINDUCTOR_CACHE_DIR=$VC/inductor-pre \
     start_bg "replica$1" "$RAW/replica$1.log" $VLLM serve "$MODEL" $COMMON --port "$2" --load-format dummy $REPLICA_MEM
 }
+SRC=$(cd "$HERE/../.." && pwd)/src   # hpcserve's own data plane (hps:POLICY) runs from the checkout
+HPS_SOCK=$I20/hps/admin.sock
+HPS_OK=0
+hps_check() { # can the device's python run hpcserve.endpoint.dataplane (its imports come with vLLM)?
+  local err
+  if [ ! -f "$SRC/hpcserve/endpoint/dataplane.py" ]; then log "hps: no $SRC/hpcserve/endpoint/dataplane.py: hps:* cases skipped"; return; fi
+  if err=$(PYTHONPATH=$SRC $PY -c "import hpcserve.endpoint.dataplane, setproctitle, uvloop" 2>&1); then HPS_OK=1; log "hps: data plane importable from $SRC"
+  else log "hps: import failed, hps:* cases skipped: $(echo "$err" | tail -3 | tr '\n' ' ' | cut -c1-400)"; fi
+}
+start_hps() { # POLICY LOG: the data plane on 127.0.0.1:8000, both replicas set over its admin socket
+  local i put
+  start_bg router "$2" env PYTHONPATH="$SRC" $PY -m hpcserve.endpoint.dataplane --host 127.0.0.1 --port 8000 \
+    --admin-socket "$HPS_SOCK" --policy "$1" --hold-s 30
+  for i in $(seq 60); do
+    curl -sf -m 2 --unix-socket "$HPS_SOCK" http://hps/health >/dev/null && break
+    kill -0 "$BG" 2>/dev/null || return 1; sleep 0.5
+  done
+  put=$(curl -s -m 10 --unix-socket "$HPS_SOCK" -X PUT http://hps/backends -H 'Content-Type: application/json' \
+    -d "{\"backends\":[{\"url\":\"http://127.0.0.1:8001\",\"capacity\":$HPS_CAP},{\"url\":\"http://127.0.0.1:8002\",\"capacity\":$HPS_CAP}]}")
+  echo "PUT /backends -> $put" >> "$2"
+  echo "$put" | grep -q '"backends": *\[{' || return 1
+}
+hps_metrics() { # N: the data plane's own counters (GET /backends, /metrics on the admin socket) -> compact JSON
+  curl -s -m 10 --unix-socket "$HPS_SOCK" http://hps/backends > "$RAW/router_backends_$1.json"
+  curl -s -m 10 --unix-socket "$HPS_SOCK" http://hps/metrics > "$RAW/router_metrics_$1.txt"
+  $PY - "$RAW/router_backends_$1.json" <<'PY'
+import json, sys
+try:
+    d = json.load(open(sys.argv[1]))
+    print(json.dumps({"policy": d.get("policy"), "held": d.get("held"), "requests_by_backend":
+        {b["url"][-4:]: b.get("requests") for b in d.get("backends", [])}, "failures_by_backend":
+        {b["url"][-4:]: b.get("failures") for b in d.get("backends", [])}}))
+except Exception as exc:
+    print(json.dumps({"error": f"no data plane backends: {exc}"}))
+PY
+}
 phase_routing() {
   [ -f "$MODEL/config.json" ] || { log "no model folder at $MODEL: run gen first"; return 1; }
   local runs=("${ARGS[@]}")
-  # by value: the prefill-bound load with the three policies, then the calibration's concurrency (32), then
-  # multi-turn; the budget drops the tail
-  [ ${#runs[@]} = 0 ] && runs=(pre:round_robin pre:consistent_hash pre:cache_aware cal:round_robin cal:cache_aware
-                               mt:round_robin mt:consistent_hash mt:cache_aware cal:consistent_hash)
+  # by value: the prefill-bound load (vllm-router's policies against hpcserve's data plane), then multi-turn,
+  # then the calibration's concurrency (32); the budget drops the tail
+  [ ${#runs[@]} = 0 ] && runs=(pre:round_robin pre:hps:prefix pre:cache_aware mt:round_robin mt:hps:prefix
+                               mt:cache_aware pre:hps:least_loaded mt:consistent_hash cal:round_robin cal:hps:prefix)
+  case " ${runs[*]}" in *:hps:*) hps_check;; esac
+  # the data plane's capacity per backend: the replicas' --max-num-seqs (vLLM's default unless I20_HPS_CAP)
+  HPS_CAP=${I20_HPS_CAP:-256}
   gpu_free
   mkdir -p "$VC/triton-pre" "$VC/inductor-pre"
   local t0 p1 p2 rc1 rc2
@@ -309,9 +350,9 @@ phase_routing() {
   # --max-model-len 2048: pre 1900+100+16, cal/vb 1850+100+64, mt at most 5*(250+48)+250+48 = 1788.
   local P=$(( (13 * K) / (10 * 1900) )) S=$(( (12 * K) / (10 * 1788) ))
   log "KV cache per replica: $K tokens -> pre/cal: $P prefixes of 1900 tokens ($(( P * 1900 )) tokens), mt: $S sessions"
-  local i=0 spec wl pol cargs est seed rp rrc
+  local i=0 spec wl pol pn cargs est seed rp rrc
   for spec in "${runs[@]}"; do
-    i=$((i + 1)); wl=${spec%%:*}; pol=${spec#*:}; seed=$((1000 + i))
+    i=$((i + 1)); wl=${spec%%:*}; pol=${spec#*:}; pn=${pol//:/-}; seed=$((1000 + i))
     case $wl in
       pre) est=60; cargs=(${I20_PRE_ARGS:---mode prefix --num-prefixes $P --prefix-len 1900 --suffix-len 100 --output-len 16 --num-requests $((4 * P)) --concurrency 128});;
       cal) est=75; cargs=(${I20_CAL_ARGS:---mode prefix --num-prefixes $P --prefix-len 1850 --suffix-len 100 --output-len 64 --num-requests $((4 * P)) --concurrency 32});;
@@ -320,11 +361,17 @@ phase_routing() {
       *) log "unknown workload $wl"; continue;;
     esac
     if [ "$(left)" -lt $est ]; then log "$spec skipped: $(left) s left"; rec phase=routing workload=$wl policy=$pol ok=false skipped=true; continue; fi
-    start_bg router "$RAW/router_${i}_$pol.log" $PY -m vllm_router.launch_router --worker-urls http://127.0.0.1:8001 http://127.0.0.1:8002 \
-      --policy "$pol" --host 127.0.0.1 --port 8000 --log-level warning --prometheus-port 29001 --worker-startup-check-interval 1
-    rp=$BG
+    if [ "${pol%%:*}" = hps ]; then
+      if [ $HPS_OK != 1 ]; then log "$spec skipped: no data plane"; rec phase=routing workload=$wl policy=$pol ok=false skipped=true; continue; fi
+      start_hps "${pol#hps:}" "$RAW/router_${i}_$pn.log"; rrc=$?; rp=$BG
+      [ $rrc = 0 ] || { log "data plane ($pol) did not start or refused the backends"; fail_tail "$RAW/router_${i}_$pn.log"; stop_tree $rp; continue; }
+    else
+      start_bg router "$RAW/router_${i}_$pn.log" $PY -m vllm_router.launch_router --worker-urls http://127.0.0.1:8001 http://127.0.0.1:8002 \
+        --policy "$pol" --host 127.0.0.1 --port 8000 --log-level warning --prometheus-port 29001 --worker-startup-check-interval 1
+      rp=$BG
+    fi
     wait_ready http://127.0.0.1:8000 $rp 60; rrc=$?
-    if [ $rrc != 0 ]; then log "router ($pol) not ready: rc $rrc"; fail_tail "$RAW/router_${i}_$pol.log"; stop_tree $rp; continue; fi
+    if [ $rrc != 0 ]; then log "router ($pol) not ready: rc $rrc"; fail_tail "$RAW/router_${i}_$pn.log"; stop_tree $rp; continue; fi
     local r1 r2; r1=$(curl -s -m 30 -X POST http://127.0.0.1:8001/reset_prefix_cache); r2=$(curl -s -m 30 -X POST http://127.0.0.1:8002/reset_prefix_cache)
     $PY "$HERE/i20_util.py" metrics http://127.0.0.1:8001 "$RAW/m${i}_r1_before.json" >/dev/null
     $PY "$HERE/i20_util.py" metrics http://127.0.0.1:8002 "$RAW/m${i}_r2_before.json" >/dev/null
@@ -336,14 +383,16 @@ phase_routing() {
         --prefix-repetition-prefix-len 1850 --prefix-repetition-suffix-len 100 --prefix-repetition-output-len 64 \
         --num-prompts $((4 * P)) --max-concurrency 32 --ignore-eos --seed $seed --num-warmups 0 \
         --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --save-result --result-dir "$RAW" \
-        --result-filename "vb_${i}_$pol.json" > "$RAW/client_${i}.err" 2>&1
-      cj=$($PY "$HERE/i20_util.py" vbsum "$RAW/vb_${i}_$pol.json")
+        --result-filename "vb_${i}_$pn.json" > "$RAW/client_${i}.err" 2>&1
+      cj=$($PY "$HERE/i20_util.py" vbsum "$RAW/vb_${i}_$pn.json")
     else
       cj=$(timeout $tl $PY "$HERE/i20_prefix_client.py" --url http://127.0.0.1:8000 --seed $seed \
-        --session-header --out "$RAW/client_${i}_${wl}_$pol.json" "${cargs[@]}" 2> "$RAW/client_${i}.err" | tail -1)
+        --session-header --out "$RAW/client_${i}_${wl}_$pn.json" "${cargs[@]}" 2> "$RAW/client_${i}.err" | tail -1)
     fi
-    curl -s -m 10 http://127.0.0.1:29001/metrics > "$RAW/router_metrics_$i.txt"
-    local rmj; rmj=$($PY "$HERE/i20_util.py" rmetrics "$RAW/router_metrics_$i.txt")
+    local rmj
+    if [ "${pol%%:*}" = hps ]; then rmj=$(hps_metrics $i)
+    else curl -s -m 10 http://127.0.0.1:29001/metrics > "$RAW/router_metrics_$i.txt"
+      rmj=$($PY "$HERE/i20_util.py" rmetrics "$RAW/router_metrics_$i.txt"); fi
     $PY "$HERE/i20_util.py" metrics http://127.0.0.1:8001 "$RAW/m${i}_r1_after.json" >/dev/null
     $PY "$HERE/i20_util.py" metrics http://127.0.0.1:8002 "$RAW/m${i}_r2_after.json" >/dev/null
     local md; md=$($PY "$HERE/i20_util.py" mdiff "$RAW/m${i}_r1_before.json" "$RAW/m${i}_r1_after.json" "$RAW/m${i}_r2_before.json" "$RAW/m${i}_r2_after.json")

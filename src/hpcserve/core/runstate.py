@@ -19,8 +19,10 @@ from hpcserve.core.statuses import RunStatus, StageEvent
 class RunStateWriter:
     """Writes state.json and timeline.json of one run folder (atomically: readers never see half a file)."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, compact: bool = False):
+        """compact: state.json on one line (an endpoint's, rewritten every second with every member)."""
         self.paths = RunPaths(run_dir)
+        self.indent = None if compact else 2
         self.run_dir = self.paths.root
         self.timeline: list[dict[str, Any]] = read_json(self.paths.timeline, []) or []
         self.state: dict[str, Any] = read_json(self.paths.state, {}) or {}
@@ -43,7 +45,7 @@ class RunStateWriter:
 
     def update(self, **fields: Any) -> None:
         self.state.update(fields, updated=time.time())
-        write_json(self.paths.state, self.state)
+        write_json(self.paths.state, self.state, self.indent)
 
     @property
     def status(self) -> RunStatus | None:

@@ -6,6 +6,8 @@
     launch(cfg, results, key)   start a driver (here or as a job); returns the Record that finds it again
     run_of(record)         the LocalRun or SlurmRun a registered record names
     expected_start(cfg)    when Slurm would start its job if submitted now (nothing is queued)
+    Runs                   both for many deployments at once (an endpoint's members): their jobs
+                           followed with one squeue call per interval (slurm.watcher.JobWatcher)
     run.gone()             why it can no longer make progress (process exited, job ended), else None
     run.stop()             orderly stop (SIGTERM: it stops what it started), then by recorded PID
     LocalRun.restart(record, module)   a new process in the same run folder (an endpoint's controller
@@ -27,6 +29,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import psutil
 import yaml
@@ -42,22 +45,74 @@ from hpcserve.core.registry import Record
 from hpcserve.core.statuses import RunKind
 from hpcserve.slurm.client import JobWaitTimeout, SlurmClient
 from hpcserve.slurm.parse import WillRun
-from hpcserve.slurm.render import render_batch_script
+from hpcserve.slurm.render import DRIVER_MODULE, render_batch_script
 from hpcserve.slurm.states import JobInfo, JobState
+from hpcserve.slurm.watcher import JobWatcher
 
-DRIVER_MODULE = "hpcserve.deployment.driver"
 CHECK_ONLY_ENV = "HPCSERVE_CHECK_ONLY"  # `hpcserve check`: the driver stops after the health stage
+FINISH_POLL_S = 0.5  # how often a stop looks at the shared watcher (which asks Slurm at its own pace)
 
 
-def launch(cfg: DeploymentConfig, results: Path, key: ApiKey, extra_env: dict[str, str] | None = None) -> Record:
+def launch(cfg: DeploymentConfig, results: Path, key: ApiKey, extra_env: dict[str, str] | None = None,
+           driver_module: str = DRIVER_MODULE) -> Record:
     """Start a deployment's driver: detached on this machine (local), or as a Slurm batch job."""
     if cfg.cluster.scheduler == "local":
-        return LocalRun.start(cfg, results, DRIVER_MODULE, RunKind.DRIVER, key, extra_env or {}).record
-    return SlurmRun.submit(cfg, results, key, extra_env or {}).record
+        return LocalRun.start(cfg, results, driver_module, RunKind.DRIVER, key, extra_env or {}).record
+    return SlurmRun.submit(cfg, results, key, extra_env or {}, driver_module).record
 
 
-def run_of(record: Record) -> LocalRun | SlurmRun:
-    return SlurmRun(record) if record.job_id else LocalRun(record)
+def run_of(record: Record, jobs: JobWatcher | None = None) -> LocalRun | SlurmRun:
+    return SlurmRun(record, jobs) if record.job_id else LocalRun(record)
+
+
+class Run(Protocol):
+    """What a caller may ask of a deployment's run, wherever it runs (LocalRun, SlurmRun, or a test's)."""
+
+    def gone(self) -> str | None: ...
+
+    def stop(self, timeout_s: float = 90.0, grace_s: float = 0.0) -> list[int]: ...
+
+    def queue_line(self) -> str | None: ...
+
+    def info(self) -> JobInfo | None: ...
+
+
+class Launcher(Protocol):
+    """How an endpoint's members are started and found again. Runs is the product's; tests and
+    benchmarks hand the controller one of their own (stand-in members)."""
+
+    def launch(self, cfg: DeploymentConfig, results: Path, key: ApiKey, extra_env: dict[str, str]) -> Record: ...
+
+    def run_of(self, record: Record) -> Run: ...
+
+    def slurm_queries(self) -> int | None:
+        """Queries about jobs made so far (what sites rate-limit), None where there is no Slurm."""
+
+
+@dataclass
+class Runs:
+    """Deployments started here or as Slurm jobs, their jobs followed together: every SlurmRun made by
+    run_of shares one JobWatcher, so the state of all of them costs one squeue call per interval.
+    driver_module: what the job runs (the driver; a test may run a stand-in member instead)."""
+
+    jobs: JobWatcher
+    driver_module: str = DRIVER_MODULE
+
+    @classmethod
+    def default(cls, check_every_s: float, driver_module: str = DRIVER_MODULE) -> Runs:
+        return cls(JobWatcher(SlurmClient(), check_every_s), driver_module)
+
+    def launch(self, cfg: DeploymentConfig, results: Path, key: ApiKey, extra_env: dict[str, str]) -> Record:
+        record = launch(cfg, results, key, extra_env, self.driver_module)
+        if record.job_id:
+            self.jobs.watch(record.job_id)
+        return record
+
+    def run_of(self, record: Record) -> LocalRun | SlurmRun:
+        return run_of(record, self.jobs)
+
+    def slurm_queries(self) -> int | None:
+        return self.jobs.calls
 
 
 def expected_start(cfg: DeploymentConfig, results: Path) -> WillRun | None:
@@ -183,12 +238,14 @@ class SlurmRun:
     """A batch job whose script execs the driver; Slurm is asked about it through one client."""
 
     record: Record
+    jobs: JobWatcher | None = None  # shared with other runs: one squeue for all; None: asked alone
 
     @classmethod
-    def submit(cls, cfg: DeploymentConfig, results: Path, key: ApiKey, extra_env: dict[str, str]) -> SlurmRun:
+    def submit(cls, cfg: DeploymentConfig, results: Path, key: ApiKey, extra_env: dict[str, str],
+               driver_module: str = DRIVER_MODULE) -> SlurmRun:
         """sbatch --hold, the run folder filled (config, key, script), then the job released: when the job
         starts, what it reads is there, and only we could have put it there."""
-        script = render_batch_script(cfg, config_yaml(cfg), sys.executable, results)
+        script = render_batch_script(cfg, config_yaml(cfg), sys.executable, results, driver_module)
         staging = private_dir(private_dir(results / "logs") / f".submit-{cfg.name}-{secrets.token_hex(4)}",
                               fresh=True)
         client = SlurmClient()
@@ -217,7 +274,10 @@ class SlurmRun:
         return RunPaths(Path(self.record.run_dir)).slurm_out
 
     def info(self) -> JobInfo | None:
-        """The job as Slurm knows it now; None when no Slurm command knows it (or Slurm did not answer)."""
+        """The job as Slurm knows it now (through the shared watcher: as of its last call, at most its
+        interval ago); None when no Slurm command knows it (or Slurm did not answer)."""
+        if self.jobs is not None:
+            return self.jobs.info(self.record.job_id)
         try:
             return SlurmClient().job(self.record.job_id)
         except SlurmError:
@@ -246,26 +306,38 @@ class SlurmRun:
         if info is None or info.state.finished:
             return []
         job = self.record.job_id
-        if grace_s:
-            try:
-                if client.wait_for(job, lambda j: j.state.finished, timeout=grace_s, poll=0.5).state.finished:
-                    return []
-            except JobWaitTimeout:
-                pass
+        if grace_s and self.wait_finished(grace_s):
+            return []
         if info.state is JobState.PENDING:  # nothing runs yet: a signal has nowhere to go
             client.cancel(job)
-            client.wait_for(job, lambda j: j.state.finished, timeout=timeout_s, poll=0.5)
+            self.wait_finished(timeout_s)
             return []
         # TERM to the batch shell alone: the driver stops engines, then Ray, in order (TERM to every step
         # at once kills the Ray head under the driver's feet). If it hangs past the deadline, a plain
         # scancel lets Slurm kill everything.
         client.cancel(job, signal="TERM", batch_only=True)
-        try:
-            client.wait_for(job, lambda j: j.state.finished, timeout=timeout_s, poll=0.5)
-        except JobWaitTimeout:
+        if not self.wait_finished(timeout_s):
             client.cancel(job)
-            client.wait_for(job, lambda j: j.state.finished, timeout=60, poll=0.5)
+            self.wait_finished(60)
         return []
+
+    def wait_finished(self, timeout_s: float) -> bool:
+        """Wait until the job has finished; False when timeout_s passed first. With a shared watcher
+        the job is seen through its calls (one squeue for all jobs: many members stopping at once do not
+        multiply the queries); alone, polled with backoff."""
+        if self.jobs is None:
+            try:
+                return SlurmClient().wait_for(self.record.job_id, lambda j: j.state.finished, timeout=timeout_s,
+                                              poll=0.5).state.finished
+            except JobWaitTimeout:
+                return False
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            info = self.jobs.info(self.record.job_id)
+            if info is None or info.state.finished:
+                return True
+            time.sleep(FINISH_POLL_S)
+        return False
 
 
 def _cancel_quietly(client: SlurmClient, job_id: str) -> None:

@@ -6,12 +6,13 @@ queue's reason is reported once per change."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpcserve.core.registry import Record
 from hpcserve.core.runstate import RunState, read_timeline
-from hpcserve.deployment.runs import run_of
+from hpcserve.deployment.runs import Run, run_of
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class StartWatch:
     seen: int = 0  # timeline events already handed out
     last_check: float = field(default=float("-inf"))
     queue: str | None = None  # the last queue line
+    run_of: Callable[[Record], Run] = run_of  # an endpoint's: its members' jobs asked about together
 
     @property
     def run_dir(self) -> Path:
@@ -44,7 +46,7 @@ class StartWatch:
         if state.status.final or state.status.ended or time.monotonic() - self.last_check < self.check_every_s:
             return Observation(state)
         self.last_check = time.monotonic()
-        run = run_of(self.record)
+        run = self.run_of(self.record)
         queue = None
         if self.record.job_id and not read_timeline(self.run_dir):  # started: its own stages tell the rest
             line = run.queue_line()

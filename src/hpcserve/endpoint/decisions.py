@@ -15,10 +15,15 @@ from typing import Literal
 from hpcserve.core.config import AutoscaleSpec
 from hpcserve.core.statuses import Adoption, MemberRole, MemberStatus
 from hpcserve.planning.walltime import HANDOVER_MARGIN_S, HANDOVER_STARTUP_FACTOR, handover_lead_s
+from hpcserve.engine.metrics import EngineLoad
 
 # A backend whose probes failed this many times in a row leaves the pool. With a probe every second
 # and a one-second timeout, a dead backend is out within about 3 s.
 FAILED_PROBES_TO_LEAVE = 2
+# Launches (replacements, successors) in one round, the rest in the next ones: when 10 % of 256 replicas
+# are lost at once, or 256 jobs started together reach their time limit together, 25 or 256 sbatch in
+# one round would hold it for seconds and hit slurmctld as a burst; four a round spread them out.
+LAUNCHES_PER_ROUND = 4
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,36 @@ def should_leave(recent: list[ProbeResult]) -> bool:
     """The last FAILED_PROBES_TO_LEAVE probes all failed."""
     tail = recent[-FAILED_PROBES_TO_LEAVE:]
     return len(tail) == FAILED_PROBES_TO_LEAVE and not any(p.ok for p in tail)
+
+
+def probes_due(backends: list[str], last_started: dict[str, float], now: float, every_s: float,
+               step_s: float) -> list[str]:
+    """The backends to probe (/health and /metrics) in this step of the controller's loop (one every
+    step_s). Each is probed every every_s, and a step probes at most its share of the pool (the most
+    overdue first), so the probes of 256 replicas spread evenly over the second instead of 512
+    requests in one burst each round; replicas that joined together drift apart within a second.
+    Pure."""
+    share = max(1, math.ceil(len(backends) * step_s / every_s))
+    due = sorted((last_started.get(url, float("-inf")), url) for url in backends
+                 if now - last_started.get(url, float("-inf")) >= every_s - step_s / 2)
+    return [url for _, url in due[:share]]
+
+
+def reads_due(backends: list[str], loads: dict[str, EngineLoad], paused: set[str], last_read: dict[str, float],
+              now: float, busy_every_s: float, idle_every_s: float) -> list[str]:
+    """The backends whose /metrics the load-aware rotation reads now. One with requests running or
+    waiting, or paused (it must come back as soon as its queue empties), or whose load is not known
+    yet, is read every busy_every_s; an idle one every idle_every_s (the round's probe reads it
+    anyway): at 256 replicas an idle endpoint costs 256 page reads a second, not 1,280 (a page is
+    50 KB). A request that lands on an idle replica is seen by the next probe or by the router's own
+    balancing. Pure."""
+    def every(url: str) -> float:
+        load = loads.get(url)
+        busy = url in paused or load is None or load.in_flight > 0
+        return busy_every_s if busy else idle_every_s
+
+    # A little early is on time: reads are scheduled by a loop that wakes every busy_every_s
+    return [url for url in backends if now - last_read.get(url, float("-inf")) >= every(url) - busy_every_s / 2]
 
 
 # ------------------------------------------------------------------ autoscale

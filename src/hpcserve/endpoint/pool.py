@@ -4,25 +4,34 @@ A replica joins after its member's driver saw a real completion and the endpoint
 (from the router's side of the network); it leaves after FAILED_PROBES_TO_LEAVE failed probes, when
 its member's job ends, or when it is drained on purpose. Between the controller's rounds the
 load-aware rotation (endpoint.rotation) marks backends whose engine queues as saturated in the data plane.
+
+A round costs about the same at 4 and at 256 replicas (docs/benchmarks/scale.md): probes and /metrics
+reads run on the prober's event loop (bounded, each with its own timeout: endpoint.probe), started in
+steps five times a second and spread over the second (decisions.probes_due), busy backends read every
+step and idle ones once a second (decisions.reads_due); the controller's loop takes the results in
+and never waits on a probe. Joins and leaves of one round are one router.apply each.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
-import httpx
-
-from hpcserve.core.keys import bearer
-from hpcserve.endpoint.decisions import LoadSample, ProbeResult, should_leave
+from hpcserve.endpoint.decisions import LoadSample, ProbeResult, probes_due, reads_due, should_leave
+from hpcserve.endpoint.probe import Kind, Prober, Result
 from hpcserve.endpoint.rotation import Rotation
 from hpcserve.endpoint.router import Router
 from hpcserve.engine.client import completion_probe
-from hpcserve.engine.metrics import EngineLoad, engine_load
+from hpcserve.engine.metrics import EngineLoad
 
 PROBE_TIMEOUT_S = 1.0
 ROTATION_S = 0.2  # the load-aware rotation between rounds (measured: docs/benchmarks/router.md)
 HISTORY_SAMPLES = 600  # load samples kept for the autoscaler (about ten minutes at one a second)
+JOIN_PROBES_AT_ONCE = 16  # real completions sent at once to joining replicas
+JOIN_TIMEOUT_S = 60.0
+READ_WAIT_S = 0.1  # how long a rotation step waits for its /metrics reads (the rest: next step)
 
 
 class Pool:
@@ -34,27 +43,44 @@ class Pool:
         self.backends = backends
         self.probes: dict[str, list[ProbeResult]] = {}
         self.loads: dict[str, EngineLoad] = {}  # each backend's last /metrics figures
+        self.last_read: dict[str, float] = {}  # when they were read (monotonic)
+        self.probe_started: dict[str, float] = {}  # when each backend's last probe was started
+        self.last_step = 0.0
         self.history: list[LoadSample] = []  # waiting/running/finished per backend, about once a second
         self.rotation = Rotation(router)
-        self.client = httpx.Client(timeout=PROBE_TIMEOUT_S, trust_env=False)
+        self.prober = Prober(api_key)
 
     # ------------------------------------------------------------ membership
-    def join(self, urls: list[str], capacity: int | None = None) -> None:
-        """Probe each replica once more with a real completion, then give it traffic in proportion to
-        capacity (the requests its engine runs at once)."""
-        for url in urls:
-            completion_probe(url, self.model, self.api_key, timeout_s=60)
-        for url in urls:
-            self.router.add(url, capacity)
-            self.probes[url] = []
+    def join(self, urls: list[str], capacities: dict[str, int] | None = None) -> dict[str, str]:
+        """Probe each replica once more with a real completion (all at once), then give the ones that
+        answered traffic in proportion to their capacities (the requests each engine runs at once), in one router
+        change. Returns url -> why, for those that did not join."""
+        def answer(url: str) -> str | None:
+            try:
+                completion_probe(url, self.model, self.api_key, timeout_s=JOIN_TIMEOUT_S)
+                return None
+            except Exception as exc:  # noqa: BLE001 - the reason goes to the member's error
+                return f"probe from the endpoint failed: {type(exc).__name__}: {exc}"[:300]
 
-    def leave(self, url: str) -> None:
-        """Out of the pool for good."""
-        if url in (b.url for b in self.router.backends()):
-            self.router.remove(url, drain_s=0)  # the controller waits for a drain itself, not blocking
-        self.rotation.paused.discard(url)
-        for table in (self.probes, self.loads):
-            table.pop(url, None)
+        with ThreadPoolExecutor(min(JOIN_PROBES_AT_ONCE, max(1, len(urls)))) as pool:
+            failed = {url: why for url, why in zip(urls, pool.map(answer, urls)) if why}
+        ready = [url for url in urls if url not in failed]
+        refused = self.router.apply(add=ready, capacities=capacities) if ready else set()
+        failed |= {url: "the router did not take it (see its log)" for url in refused}
+        for url in ready:
+            if url not in refused:
+                self.probes[url] = []
+        return failed
+
+    def leave(self, urls: list[str]) -> None:
+        """Out of the pool for good, in one router change (a paused backend is out of the router already,
+        but still counted). The controller waits for a drain itself, not blocking here."""
+        if urls:
+            self.router.apply(remove=urls)
+        for url in urls:
+            self.rotation.paused.discard(url)
+            for table in (self.probes, self.loads, self.last_read, self.probe_started):
+                table.pop(url, None)
 
     def answering(self) -> set[str]:
         """The backends whose last probe passed."""
@@ -65,62 +91,79 @@ class Pool:
         another has room."""
         return self.backends()
 
-    # ------------------------------------------------------------ probes
-    def probe(self, url: str) -> bool:
-        """Probe one backend and remember the result; True when it must leave (failed probes in a row)."""
-        result = self._probe(url)
-        recent = self.probes.setdefault(url, [])
-        recent.append(result)
-        del recent[:-10]
-        return should_leave(recent)
+    # ------------------------------------------------------------ probes and reads
+    def step(self, wait_for_reads_s: float = 0.0) -> None:
+        """One step of the probing, every ROTATION_S (and each round): the results that came in since
+        the last step are taken in, then the probes due (each backend once a second, spread over the
+        second: decisions.probes_due) and the /metrics reads due (busy backends every step, idle ones
+        once a second: decisions.reads_due) are started. The network is the prober's: the loop waits
+        for this step's reads up to wait_for_reads_s (the rotation wants fresh figures), never for
+        probes (a silent replica takes its whole timeout)."""
+        self.absorb(self.prober.collect())
+        now = time.monotonic()
+        elapsed = max(ROTATION_S, now - self.last_step) if self.last_step else ROTATION_S
+        self.last_step = now
+        backends = self.backends()
+        probes = probes_due(backends, self.probe_started, now, self.tick_s, elapsed)
+        reads = [url for url in reads_due(sorted(self.answering()), self.loads, self.rotation.paused, self.last_read,
+                                          now, ROTATION_S, self.tick_s) if url not in probes]
+        for url in probes:
+            self.probe_started[url] = now
+        batch = self.prober.start(probes, reads, PROBE_TIMEOUT_S, ROTATION_S)
+        if reads and wait_for_reads_s:
+            try:
+                batch.result(timeout=wait_for_reads_s)
+            except FutureTimeout:
+                pass
+        self.absorb(self.prober.collect())
+
+    def absorb(self, results: list[Result]) -> None:
+        """Probe and read results into the pool's tables (those of backends that left are dropped)."""
+        for result in results:
+            if result.url not in self.probes:
+                continue
+            if result.probed.load is not None:
+                self.loads[result.url], self.last_read[result.url] = result.probed.load, result.finished
+            if result.kind is Kind.PROBE:
+                recent = self.probes[result.url]
+                recent.append(ProbeResult(result.probed.ok, result.probed.detail))
+                del recent[:-10]
+
+    def leaving(self) -> list[str]:
+        """The backends that must leave: their last FAILED_PROBES_TO_LEAVE probes failed."""
+        return [url for url in self.backends() if should_leave(self.probes.get(url, []))]
 
     def last_probe(self, url: str) -> ProbeResult | None:
         recent = self.probes.get(url)
         return recent[-1] if recent else None
 
-    def _probe(self, url: str) -> ProbeResult:
-        """/metrics (the API process answers) and /health (vLLM: the engine core is alive); the load
-        figures feed the autoscaler. The real completion was sent when the replica joined."""
-        try:
-            health = self.client.get(f"{url}/health")
-            metrics = self.client.get(f"{url}/metrics", headers=bearer(self.api_key))
-        except httpx.HTTPError as exc:
-            return ProbeResult(False, f"{type(exc).__name__}: {exc}"[:200])
-        if health.status_code != 200 or metrics.status_code != 200:
-            return ProbeResult(False, f"/health {health.status_code}, /metrics {metrics.status_code}")
-        try:
-            load = self.loads[url] = engine_load(metrics.text)
-        except ValueError as exc:
-            return ProbeResult(False, f"/metrics is not Prometheus text: {exc}")
-        self.record_load(url, load)
-        return ProbeResult(True)
-
-    def record_load(self, url: str, load: EngineLoad) -> None:
-        now = time.time()
-        if not self.history or now - self.history[-1].time > self.tick_s / 2:
-            self.history.append(LoadSample(now, {}, {}))
-        self.history[-1].waiting[url] = load.waiting
-        self.history[-1].running[url] = load.running
-        if load.finished is not None:
-            self.history[-1].finished[url] = load.finished
+    def record_sample(self) -> None:
+        """Every backend's last known load as one sample, once a round, for the autoscaler."""
+        backends = [url for url in self.backends() if url in self.loads]
+        if not backends:
+            return
+        loads = {url: self.loads[url] for url in backends}
+        finished = {url: load.finished for url, load in loads.items() if load.finished is not None}
+        self.history.append(LoadSample(time.time(), {u: ld.waiting for u, ld in loads.items()},
+                                       {u: ld.running for u, ld in loads.items()}, finished))
         del self.history[:-HISTORY_SAMPLES]
 
     # ------------------------------------------------------------ load-aware rotation
     def balance(self) -> None:
-        """Each round, with the probes' figures."""
+        """Each round, with the figures known."""
         self.rotation.update(self.backends(), self.answering(), self.loads)
 
     def rotate(self) -> None:
-        """Between rounds, every ROTATION_S: the answering backends' load again, and the rotation updated.
-        A slow replica then gets new requests about as fast as it finishes them (docs/endpoint.md)."""
-        answering = self.answering()
-        for url in answering:
-            load = self.router.engine_load(url, timeout_s=ROTATION_S)
-            if load is not None:
-                self.loads[url] = load
-        self.rotation.update(self.backends(), answering, self.loads)
+        """Between rounds, every ROTATION_S: a probing step that waits a little for this step's reads,
+        and the rotation updated with them. A slow replica then gets new requests about as fast as it
+        finishes them (docs/endpoint.md)."""
+        self.step(wait_for_reads_s=READ_WAIT_S)
+        self.rotation.update(self.backends(), self.answering(), self.loads)
 
     def busy(self, url: str) -> bool:
         """Requests still run or wait on it (a dead engine has nothing left to drain)."""
         load = self.router.engine_load(url)
         return load is not None and load.in_flight > 0
+
+    def close(self) -> None:
+        self.prober.close()

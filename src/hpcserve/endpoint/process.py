@@ -33,6 +33,7 @@ from hpcserve.deployment.preflight import resolved_layout
 from hpcserve.deployment.process import install_stop_handlers, process_main, run_to_end
 from hpcserve.deployment.runs import run_of
 from hpcserve.endpoint.adopt import adopt
+from hpcserve.deployment.runs import Launcher
 from hpcserve.endpoint.controller import MEMBER_STOP_TIMEOUT_S, TICK_S, Controller
 from hpcserve.endpoint.members import Member, group_layouts
 from hpcserve.endpoint.router import Router
@@ -92,7 +93,7 @@ def teardown(ctl: Controller) -> None:
     """Every member stopped (in parallel: each job takes seconds), then the router."""
     def stop_one(member: Member) -> None:
         try:
-            run_of(member.as_record()).stop(timeout_s=MEMBER_STOP_TIMEOUT_S)
+            ctl.runs.run_of(member.as_record()).stop(timeout_s=MEMBER_STOP_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - keep stopping the others
             traceback.print_exc()
 
@@ -106,10 +107,12 @@ def teardown(ctl: Controller) -> None:
             member.status = MemberStatus.GONE
     ctl.router.stop()
     remove_files([RunPaths(ctl.run_dir).router_key])  # the router's copy of the key: no router, no copy
+    ctl.close()
     ctl.save()
 
 
-def run(run_dir: Path) -> int:
+def run(run_dir: Path, runs: Launcher | None = None) -> int:
+    """runs: how members start (default: real deployments); a benchmark may run stand-in members."""
     paths = RunPaths(run_dir)
     cfg = load_config(paths.config)
     previous = RunState.read(run_dir)
@@ -118,7 +121,7 @@ def run(run_dir: Path) -> int:
     key_file = write_secret(paths.router_key, api_key) if api_key else None  # never on a command line
     router = Router(cfg.serve.host, cfg.serve.port, key_file, paths.router_log, model=cfg.model.name,
                     admin_socket=paths.router_admin, hold_s=cfg.serve.hold_s)
-    ctl = Controller(cfg, run_dir, router, api_key)
+    ctl = Controller(cfg, run_dir, router, api_key, runs)
     started = {} if adopting else {"job_started": time.time()}  # where up's time went stays up's
     ctl.writer.update(driver_pid=os.getpid(), status=RunStatus.STARTING, **started)
     install_stop_handlers(ctl.request_stop)

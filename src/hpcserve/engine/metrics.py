@@ -89,10 +89,44 @@ class EngineLoad:
 
 
 def engine_load(metrics_text: str) -> EngineLoad:
-    """Parse vLLM's Prometheus text. Raises ValueError on text that is not Prometheus format."""
-    metrics = parse_engine_metrics(metrics_text)
-    return EngineLoad(total(metrics, RUNNING) or 0.0, total(metrics, WAITING) or 0.0, peak(metrics, *KV_CACHE_USAGE),
-                      total(metrics, FINISHED))
+    """An engine's load from vLLM's Prometheus text: the same figures as parse_engine_metrics gives, read
+    from the few sample lines they come from. A controller reads every replica's /metrics five times a
+    second, and the whole page (50 KB, mostly histograms) took prometheus_client's parser 20-75 ms here:
+    at 256 replicas that alone is more than the machine has (docs/benchmarks/scale.md). Raises
+    ValueError when one of those lines carries no number."""
+    samples = sample_values(metrics_text, (RUNNING, WAITING, *KV_CACHE_USAGE, FINISHED + "_total"))
+    kv = next((max(samples[n]) for n in KV_CACHE_USAGE if samples[n]), None)
+    finished = samples[FINISHED + "_total"]
+    return EngineLoad(float(sum(samples[RUNNING])), float(sum(samples[WAITING])), kv,
+                      float(sum(finished)) if finished else None)
+
+
+def sample_values(text: str, names: tuple[str, ...]) -> dict[str, list[float]]:
+    """The values of every sample line named exactly one of `names` (any labels), by name. Comment
+    lines and other families are skipped without being parsed. Pure."""
+    found: dict[str, list[float]] = {name: [] for name in names}
+    for name in names:
+        start = 0
+        while (at := text.find(name, start)) >= 0:
+            start = at + len(name)
+            if (at and text[at - 1] != "\n") or text[start:start + 1] not in ("{", " "):
+                continue  # inside a comment, or a longer name (vllm:num_requests_waiting_by_reason)
+            end = text.find("\n", start)
+            line = text[at:end if end >= 0 else len(text)]
+            found[name].append(sample_value(line))
+    return found
+
+
+def sample_value(line: str) -> float:
+    """The value of one sample line: `name{labels} value [timestamp]`; label values may hold spaces."""
+    rest = line[line.rfind("}") + 1:] if "{" in line else line.split(" ", 1)[1] if " " in line else ""
+    words = rest.split()
+    if not words:
+        raise ValueError(f"a sample without a value: {line[:120]!r}")
+    try:
+        return float(words[0])
+    except ValueError:
+        raise ValueError(f"not a number in {line[:120]!r}") from None
 
 
 def is_drained(load: EngineLoad) -> bool:

@@ -25,13 +25,17 @@ TEMPLATE = "job.sh.j2"
 CONFIG_MARKER = "HPCSERVE_CONFIG"  # ends the config heredoc; must not be a line of the config
 # Shorter key values could appear in a script by chance; such keys are too weak to guard anyway.
 MIN_SECRET_LENGTH = 8
+DRIVER_MODULE = "hpcserve.deployment.driver"
 
 
-def render_batch_script(cfg: DeploymentConfig, config_yaml: str, python: str, results_dir: Path) -> str:
+def render_batch_script(cfg: DeploymentConfig, config_yaml: str, python: str, results_dir: Path,
+                        driver_module: str = DRIVER_MODULE) -> str:
     """The batch script for `cfg`. `config_yaml` is written into the run folder for the driver;
     `python` is the interpreter on the compute nodes; `results_dir` must be absolute (the job
-    does not run where the user typed the command)."""
-    values = template_values(cfg, config_yaml, python, Path(results_dir))
+    does not run where the user typed the command). driver_module: what the job execs (a test may
+    run a stand-in member instead of the driver)."""
+    values = {**template_values(cfg, config_yaml, python, Path(results_dir)),
+              "driver_module": checked_module(driver_module)}
     script = _environment().get_template(TEMPLATE).render(**values)
     leaked = leaked_secret(script, cfg.serve.api_key_env, os.environ)
     if leaked:
@@ -68,6 +72,13 @@ def template_values(cfg: DeploymentConfig, config_yaml: str, python: str, result
         "step_env": "" if site.step.is_plain else shlex.quote(site.step.to_env()),
         "driver_prefix": shell_words(site.driver) + " " if site.driver else "",
     }
+
+
+def checked_module(name: str) -> str:
+    """A dotted module name (it goes into the script unquoted)."""
+    if not all(part.isidentifier() for part in name.split(".")):
+        raise ValueError(f"{name!r} is not a Python module name")
+    return name
 
 
 def checked_results_dir(results_dir: Path) -> Path:

@@ -1,15 +1,29 @@
-"""A fast OpenAI-compatible stand-in backend: fixed completions (plain and SSE), /health, /v1/models,
-and a vLLM-style /metrics. It exists so that the router's own overhead can be measured where an engine's
-noise would hide a 1 ms difference, and so that drain/retry behaviour can be checked at exact moments.
+"""Fast OpenAI-compatible stand-ins for vLLM engines: fixed completions (plain and SSE), /health,
+/v1/models, and vLLM's /metrics. They exist so that the router's and the controller's own costs can be
+measured where an engine's noise would hide them, and so that drain/retry/failure behaviour can be
+checked at exact moments.
 
     python -m hpcserve.testing.standin --port P [--name N] [--token-delay-ms D] [--tokens K] [--slots S]
+    python -m hpcserve.testing.standin --count N --admin-port A [...]    # a farm: N stand-ins, one process
 
-Each response names the backend that answered (`system_fingerprint`, header `x-backend`), and the
-backend counts what it served (GET /stub/stats), so tests can see where requests went. With --slots S
-it runs at most S requests at once and queues the rest, as an engine with `--max-num-seqs S` does: two
-stubs with different slots stand for replicas of different capacity. The prompts __answer_400__ and
-__answer_500__ get a client error and an engine error.
+Each response names the stand-in that answered (`system_fingerprint`, header `x-backend`), and each
+counts what it served (GET /stub/stats), so tests can see where requests went. With --slots S it runs
+at most S requests at once and queues the rest, as an engine with `--max-num-seqs S` does: two stand-ins
+with different slots stand for replicas of different capacity. A request's service time is
+tokens x token delay. /metrics is a real vLLM /metrics page (50 KB, histograms and all: what a
+controller reads from a real engine), with running, waiting, KV-cache usage and finished requests
+filled in; --small-metrics serves only those four families.
+ The prompts __answer_400__ and __answer_500__ get a client error and an engine error.
 When HPCSERVE_STUB_API_KEY is set, requests without `Authorization: Bearer <key>` get 401, as vLLM does.
+
+A farm (--count N) serves N stand-ins on N ports from one process (one event loop), and an admin API
+on --admin-port that the benchmarks drive:
+
+    GET  /farm                      {"pid", "standins": [{"port", "name", "state", "requests", ...}]}
+    POST /farm/kill?port=P&port=Q   as kill -9: the port stops listening and open connections are cut
+    POST /farm/stop?port=P          graceful: no new connections, in-flight requests finish
+    POST /farm/freeze?port=P        as a dead node: connections are accepted, nothing is ever answered
+    POST /farm/start?port=P         serve again on the same port (a replacement)
 """
 
 from __future__ import annotations
@@ -18,7 +32,11 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+from importlib import resources
 
 from aiohttp import web
 
@@ -27,6 +45,10 @@ SLOTS = web.AppKey("slots", asyncio.Semaphore)
 BAD_PROMPT = "__answer_400__"
 FAILING_PROMPT = "__answer_500__"
 CONFIG = web.AppKey("config", dict)
+METRICS = web.AppKey("metrics", object)
+FROZEN = web.AppKey("frozen", asyncio.Event)
+FILLED_FAMILIES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                   "vllm:request_success_total", "vllm:request_success_created")
 
 
 def completion_body(name: str, chat: bool, text: str, tokens: int) -> dict:
@@ -46,12 +68,63 @@ def chunk_line(name: str, chat: bool, text: str) -> bytes:
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
+# ------------------------------------------------------------------ /metrics
+
+@dataclass(frozen=True)
+class MetricsPage:
+    """vLLM's /metrics with the four figures a controller reads left as holes: the rest of the page is
+    a real engine's (tests/monitoring/data), so reading and parsing it costs what a real one costs."""
+
+    before: str  # everything of the real page except the filled families
+    small: bool = False
+
+    @classmethod
+    def load(cls, small: bool = False) -> MetricsPage:
+        text = "" if small else resources.files("hpcserve.testing").joinpath("vllm_metrics.txt").read_text()
+        return cls(without_families(text, FILLED_FAMILIES), small)
+
+    def render(self, running: float, waiting: float, kv_usage: float, finished: float) -> str:
+        return self.before + filled_families(running, waiting, kv_usage, finished)
+
+
+def without_families(text: str, names: tuple[str, ...]) -> str:
+    """Prometheus text without the HELP/TYPE/sample lines of the named families. Pure."""
+    pattern = re.compile(r"^(# (HELP|TYPE) )?(%s)[ {]" % "|".join(re.escape(n) for n in names))
+    return "".join(line for line in text.splitlines(keepends=True) if not pattern.match(line))
+
+
+def filled_families(running: float, waiting: float, kv_usage: float, finished: float) -> str:
+    """The four families in vLLM's own spelling (labels included). Pure."""
+    labels = 'engine="0",model_name="stub"'
+    return ("# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+            "# TYPE vllm:num_requests_running gauge\n"
+            f"vllm:num_requests_running{{{labels}}} {float(running)}\n"
+            "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
+            "# TYPE vllm:num_requests_waiting gauge\n"
+            f"vllm:num_requests_waiting{{{labels}}} {float(waiting)}\n"
+            "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.\n"
+            "# TYPE vllm:kv_cache_usage_perc gauge\n"
+            f"vllm:kv_cache_usage_perc{{{labels}}} {float(kv_usage)}\n"
+            "# HELP vllm:request_success_total Count of successfully processed requests.\n"
+            "# TYPE vllm:request_success_total counter\n"
+            f'vllm:request_success_total{{{labels},finished_reason="length"}} {float(finished)}\n')
+
+
+# ------------------------------------------------------------------ one stand-in
+
 def _authorized(request: web.Request) -> bool:
     key = request.app[CONFIG]["api_key"]
     return not key or request.headers.get("Authorization") == f"Bearer {key}"
 
 
+async def _frozen_gate(request: web.Request) -> None:
+    """A frozen stand-in (a dead node) accepts connections and never answers."""
+    if request.app[FROZEN].is_set():
+        await asyncio.Event().wait()
+
+
 async def _complete(request: web.Request) -> web.StreamResponse:
+    await _frozen_gate(request)
     stats = request.app[STATS]
     if not _authorized(request):
         return web.json_response({"error": "Unauthorized"}, status=401)
@@ -99,23 +172,25 @@ async def _answer(request: web.Request, body: dict, chat: bool) -> web.StreamRes
 
 
 async def _models(request: web.Request) -> web.Response:
+    await _frozen_gate(request)
     if not _authorized(request):
         return web.json_response({"error": "Unauthorized"}, status=401)
     return web.json_response({"object": "list", "data": [{"id": "stub", "object": "model", "owned_by": "hpcserve"}]})
 
 
 async def _metrics(request: web.Request) -> web.Response:
+    await _frozen_gate(request)
     stats = request.app[STATS]
-    text = ("# HELP vllm:num_requests_running Running.\n# TYPE vllm:num_requests_running gauge\n"
-            f'vllm:num_requests_running{{model_name="stub"}} {stats["in_flight"]}\n'
-            "# HELP vllm:num_requests_waiting Waiting.\n# TYPE vllm:num_requests_waiting gauge\n"
-            f'vllm:num_requests_waiting{{model_name="stub"}} {stats["waiting"]}\n'
-            "# HELP vllm:kv_cache_usage_perc KV.\n# TYPE vllm:kv_cache_usage_perc gauge\n"
-            'vllm:kv_cache_usage_perc{model_name="stub"} 0.0\n')
+    stats["metrics_reads"] += 1
+    slots = request.app[CONFIG]["slots"]
+    kv = min(1.0, stats["in_flight"] / slots) if slots < 1_000_000 else 0.0
+    text = request.app[METRICS].render(stats["in_flight"], stats["waiting"], kv, stats["done"])
     return web.Response(text=text, content_type="text/plain")
 
 
-async def _ok(_request: web.Request) -> web.Response:
+async def _health(request: web.Request) -> web.Response:
+    await _frozen_gate(request)
+    request.app[STATS]["health_reads"] += 1
     return web.Response(text="")
 
 
@@ -128,29 +203,153 @@ async def _name_every_response(request: web.Request, response: web.StreamRespons
 
 
 def make_app(name: str, token_delay_s: float = 0.0, tokens: int = 16, api_key: str | None = None,
-             slots: int = 1_000_000) -> web.Application:
+             slots: int = 1_000_000, metrics: MetricsPage | None = None) -> web.Application:
     app = web.Application()
     app[SLOTS] = asyncio.Semaphore(slots)
-    app[CONFIG] = {"name": name, "token_delay_s": token_delay_s, "tokens": tokens, "api_key": api_key}
+    app[FROZEN] = asyncio.Event()
+    app[METRICS] = metrics or MetricsPage.load()
+    app[CONFIG] = {"name": name, "token_delay_s": token_delay_s, "tokens": tokens, "api_key": api_key,
+                   "slots": slots}
     app.on_response_prepare.append(_name_every_response)
-    app[STATS] = {"requests": 0, "waiting": 0, "in_flight": 0, "done": 0, "failed": 0, "last_body": None}
+    app[STATS] = {"requests": 0, "waiting": 0, "in_flight": 0, "done": 0, "failed": 0, "last_body": None,
+                  "health_reads": 0, "metrics_reads": 0}
     app.add_routes([web.post("/v1/completions", _complete), web.post("/v1/chat/completions", _complete),
-                    web.get("/v1/models", _models), web.get("/health", _ok), web.get("/metrics", _metrics),
+                    web.get("/v1/models", _models), web.get("/health", _health), web.get("/metrics", _metrics),
                     web.get("/stub/stats", _stats)])
     return app
+
+
+# ------------------------------------------------------------------ a farm of stand-ins
+
+class StandinState(StrEnum):
+    SERVING = "serving"
+    KILLED = "killed"  # as kill -9: not listening, connections were cut
+    STOPPED = "stopped"  # graceful: not listening
+    FROZEN = "frozen"  # listening, never answering (a node gone silent)
+
+
+@dataclass
+class Standin:
+    """One stand-in of a farm: its app, and the runner that serves it on its port."""
+
+    port: int
+    app: web.Application
+    host: str = "127.0.0.1"
+    runner: web.AppRunner | None = None
+    state: StandinState = StandinState.STOPPED
+    changed: float = field(default_factory=time.time)
+
+    async def start(self) -> None:
+        self.app[FROZEN].clear()
+        if self.runner is None:
+            self.runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+            await self.runner.setup()
+            await web.TCPSite(self.runner, self.host, self.port, reuse_address=True, backlog=1024).start()
+        self._set(StandinState.SERVING)
+
+    async def kill(self) -> None:
+        """As kill -9: the listener closes and every open connection (idle keep-alive ones too) is cut."""
+        runner, self.runner = self.runner, None
+        if runner is not None:
+            for site in list(runner.sites):
+                await site.stop()
+            for handler in runner.server.connections if runner.server else []:
+                if handler.transport is not None:
+                    handler.transport.abort()
+            asyncio.get_running_loop().create_task(runner.cleanup())
+        self._set(StandinState.KILLED)
+
+    async def stop(self) -> None:
+        runner, self.runner = self.runner, None
+        if runner is not None:
+            await runner.cleanup()
+        self._set(StandinState.STOPPED)
+
+    async def freeze(self) -> None:
+        self.app[FROZEN].set()
+        self._set(StandinState.FROZEN)
+
+    def _set(self, state: StandinState) -> None:
+        self.state, self.changed = state, time.time()
+
+    def describe(self) -> dict:
+        stats = self.app[STATS]
+        return {"port": self.port, "name": self.app[CONFIG]["name"], "state": self.state, "changed": self.changed,
+                **{k: stats[k] for k in ("requests", "done", "in_flight", "waiting", "health_reads", "metrics_reads")}}
+
+
+class Farm:
+    """N stand-ins on N ports in one event loop, and the admin API that changes them."""
+
+    def __init__(self, ports: list[int], host: str = "127.0.0.1", **app_settings):
+        metrics = MetricsPage.load(app_settings.pop("small_metrics", False))
+        self.standins = {port: Standin(port, make_app(f"s{port}", metrics=metrics, **app_settings), host)
+                         for port in ports}
+
+    async def start_all(self) -> None:
+        for standin in self.standins.values():
+            await standin.start()
+
+    def admin_app(self) -> web.Application:
+        app = web.Application()
+        app.add_routes([web.get("/farm", self._describe)] +
+                       [web.post(f"/farm/{action}", self._action) for action in ("kill", "stop", "freeze", "start")])
+        return app
+
+    async def _describe(self, _request: web.Request) -> web.Response:
+        return web.json_response({"pid": os.getpid(), "standins": [s.describe() for s in self.standins.values()]})
+
+    async def _action(self, request: web.Request) -> web.Response:
+        ports = [int(p) for p in request.query.getall("port", [])]
+        unknown = [p for p in ports if p not in self.standins]
+        if unknown:
+            return web.json_response({"error": f"not a stand-in of this farm: {unknown}"}, status=404)
+        action = request.path.rsplit("/", 1)[1]
+        await asyncio.gather(*(getattr(self.standins[p], action)() for p in ports))
+        return web.json_response({"done": action, "ports": ports})
+
+
+async def serve_farm(farm: Farm, admin_port: int) -> None:
+    await farm.start_all()
+    runner = web.AppRunner(farm.admin_app(), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", admin_port).start()
+    print(f"farm: {len(farm.standins)} stand-ins, admin on 127.0.0.1:{admin_port}", flush=True)
+    await asyncio.Event().wait()  # until SIGTERM/SIGINT
+
+
+def run_loop(main_coroutine) -> None:
+    """uvloop when it is there (as vLLM's API server uses it): a stand-in must not be slower than an engine."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main_coroutine)
+        return
+    uvloop.run(main_coroutine)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--port", type=int, help="the stand-in's port; with --count, the first of consecutive ports")
+    parser.add_argument("--ports", help="a farm's ports, comma-separated (instead of --port and --count)")
+    parser.add_argument("--count", type=int, default=0, help="a farm of this many stand-ins")
+    parser.add_argument("--admin-port", type=int, help="the farm's admin API")
     parser.add_argument("--name", default="stub")
     parser.add_argument("--token-delay-ms", type=float, default=0.0)
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--slots", type=int, default=1_000_000, help="requests run at once; the rest wait")
+    parser.add_argument("--small-metrics", action="store_true", help="/metrics with the four read families only")
     args = parser.parse_args(argv)
-    app = make_app(args.name, args.token_delay_ms / 1000.0, args.tokens, os.environ.get("HPCSERVE_STUB_API_KEY"),
-                   args.slots)
+    settings = {"token_delay_s": args.token_delay_ms / 1000.0, "tokens": args.tokens,
+                "api_key": os.environ.get("HPCSERVE_STUB_API_KEY"), "slots": args.slots}
+    if args.ports or args.count:
+        ports = ([int(p) for p in args.ports.split(",")] if args.ports
+                 else list(range(args.port, args.port + args.count)))
+        farm = Farm(ports, args.host, small_metrics=args.small_metrics, **settings)
+        run_loop(serve_farm(farm, args.admin_port))
+        return
+    app = make_app(args.name, metrics=MetricsPage.load(args.small_metrics), **settings)
     web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
 
 

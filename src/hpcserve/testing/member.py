@@ -1,0 +1,83 @@
+"""A stand-in member: what a member's job runs instead of the driver (Ray and vLLM) in the scale tests,
+so that a Slurm cluster of many nodes can carry an endpoint of many members on a 2-core machine.
+
+    python -m hpcserve.testing.member RUN_DIR      (the job script execs it: Runs(driver_module=...))
+
+It does what the controller reads of a driver: state.json (starting, then ready with its replica's
+URL, stopped at the end) and timeline.json, and it serves a stand-in engine (testing.standin) on the
+member's port, on every address of its node, with the endpoint's API key. SIGTERM (the controller's
+orderly stop: scancel --signal=TERM --batch) ends it. The stand-in's speed comes from the deployment's
+engine.env: STANDIN_TOKEN_DELAY_MS (per token) and STANDIN_SLOTS (requests at once, the rest queue).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+import psutil
+from aiohttp import web
+
+from hpcserve.core.config import DeploymentConfig, load_config
+from hpcserve.core.keys import read_api_key
+from hpcserve.core.paths import RunPaths
+from hpcserve.core.runstate import RunStateWriter
+from hpcserve.core.statuses import RunStatus, Stage
+from hpcserve.deployment.process import process_main
+from hpcserve.testing.standin import MetricsPage, make_app, run_loop
+
+TOKEN_DELAY_ENV, SLOTS_ENV = "STANDIN_TOKEN_DELAY_MS", "STANDIN_SLOTS"
+
+
+def own_address(bind_host: str) -> str:
+    """The address others reach this member at: its node's (from the node's hosts file), or the bind
+    address when that is a specific one."""
+    if bind_host not in ("0.0.0.0", "::", ""):
+        return bind_host
+    return socket.gethostbyname(socket.gethostname())
+
+
+def standin_app(cfg: DeploymentConfig, api_key: str | None) -> web.Application:
+    env = cfg.engine.env
+    return make_app(cfg.name, token_delay_s=float(env.get(TOKEN_DELAY_ENV, 0)) / 1000, tokens=16,
+                    api_key=api_key,
+                    slots=int(env.get(SLOTS_ENV, 1_000_000)), metrics=MetricsPage.load())
+
+
+async def serve(cfg: DeploymentConfig, writer: RunStateWriter, api_key: str | None) -> None:
+    runner = web.AppRunner(standin_app(cfg, api_key), access_log=None, handle_signals=False)
+    await runner.setup()
+    await web.TCPSite(runner, cfg.serve.host, cfg.serve.port, reuse_address=True).start()
+    url = f"http://{own_address(cfg.serve.host)}:{cfg.serve.port}"
+    writer.done(Stage.ENGINE, url)
+    writer.begin(Stage.READY)
+    writer.update(status=RunStatus.READY, replicas=[{"index": 0, "url": url, "model": cfg.model.name,
+                                                     "healthy": True, "nodes": [socket.gethostname()]}])
+    stopped = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stopped.set)
+    await stopped.wait()
+    writer.update(status=RunStatus.STOPPING, stop_reason="SIGTERM")
+    await runner.cleanup()
+
+
+def run(run_dir: Path) -> int:
+    cfg = load_config(RunPaths(run_dir).config)
+    writer = RunStateWriter(run_dir)
+    writer.update(driver_pid=os.getpid(), driver_host=socket.gethostname(), status=RunStatus.STARTING,
+                  job_started=psutil.Process().create_time())
+    writer.begin(Stage.ENGINE, "a stand-in engine (hpcserve.testing.member)")
+    try:
+        run_loop(serve(cfg, writer, read_api_key(run_dir)))  # the run folder's 0600 copy, as the driver reads it
+    finally:
+        writer.update(status=RunStatus.STOPPED, stopped=time.time())
+        writer.done(Stage.STOPPED)
+    return 0
+
+
+if __name__ == "__main__":
+    process_main(run, "hpcserve.testing.member")
