@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -249,3 +250,15 @@ def test_admin_json_and_the_command_line(tmp_path):
     key = tmp_path / "key"
     argv = dataplane_argv("127.0.0.1", 1, key, tmp_path / "s", Routing.PREFIX, 60)
     assert "--key-file" in argv and argv[argv.index("--policy") + 1] == "prefix"
+
+
+def test_the_configured_routing_reaches_the_data_plane_and_a_wrong_one_is_named():
+    from hpcserve.core.config import ConfigError, parse_config
+    from hpcserve.endpoint.router import dataplane_argv
+
+    cfg = parse_config({"name": "r", "model": {"path": "builtin:tiny-llama"}, "serve": {"routing": "prefix"}})
+    argv = dataplane_argv("127.0.0.1", 8000, None, Path("/tmp/a.sock"), cfg.serve.routing, cfg.serve.hold_s)
+    assert argv[argv.index("--policy") + 1] == "prefix"
+    assert parse_config({"name": "r", "model": {"path": "builtin:tiny-llama"}}).serve.routing is Routing.LEAST_LOADED
+    with pytest.raises(ConfigError, match="serve.routing.*'least_loaded', 'round_robin' or 'prefix'"):
+        parse_config({"name": "r", "model": {"path": "builtin:tiny-llama"}, "serve": {"routing": "sticky"}})

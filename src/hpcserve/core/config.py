@@ -21,6 +21,7 @@ from pydantic import (
 
 from hpcserve.core.errors import ConfigError
 from hpcserve.core.net import is_loopback
+from hpcserve.core.statuses import Routing
 
 BUILTIN_TINY = "builtin:tiny-llama"
 NAME_PATTERN = r"^[a-z0-9][a-z0-9-]{0,39}$"
@@ -140,6 +141,10 @@ class ServeSpec(Strict):
     handover_s: float | None = Field(None, gt=0, description="Slurm: submit a job's successor at least this long "
                                      "before its time limit; the lead is timed from Slurm's queue estimate and the "
                                      "measured startups (docs/endpoint.md)")
+    routing: Routing = Field(Routing.LEAST_LOADED, description="how the endpoint picks a replica: least_loaded "
+                             "(fewest in flight per unit of capacity), round_robin, or prefix (a session's or a "
+                             "prompt prefix's requests to the replica that holds its KV cache: multi-turn chat; "
+                             "docs/benchmarks/gpu.md)")
     hold_s: float = Field(60.0, ge=0, description="while no replica can take a request (none in the pool yet, "
                           "or the only one being replaced), the endpoint holds new requests this long and "
                           "sends them on as soon as one joins; after that they get 503 with Retry-After. "

@@ -120,7 +120,8 @@ def run(run_dir: Path, runs: Launcher | None = None) -> int:
     api_key = read_api_key(run_dir)  # the run folder's copy, written by `up` before this process started
     key_file = write_secret(paths.router_key, api_key) if api_key else None  # never on a command line
     router = Router(cfg.serve.host, cfg.serve.port, key_file, paths.router_log, model=cfg.model.name,
-                    admin_socket=paths.router_admin, hold_s=cfg.serve.hold_s)
+                    admin_socket=paths.router_admin, hold_s=cfg.serve.hold_s,
+                    policy=cfg.serve.routing)
     ctl = Controller(cfg, run_dir, router, api_key, runs)
     started = {} if adopting else {"job_started": time.time()}  # where up's time went stays up's
     ctl.writer.update(driver_pid=os.getpid(), status=RunStatus.STARTING, **started)
