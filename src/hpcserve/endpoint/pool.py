@@ -118,10 +118,13 @@ class Pool:
         self.absorb(self.prober.collect())
 
     def absorb(self, results: list[Result]) -> None:
-        """Probe and read results into the pool's tables (those of backends that left are dropped)."""
+        """Probe and read results into the pool's tables (those of backends that left are dropped; a backend
+        that serves without having joined here, one an adopting controller took over, gets its table)."""
+        current = set(self.backends()) if results else set()
         for result in results:
-            if result.url not in self.probes:
+            if result.url not in self.probes and result.url not in current:
                 continue
+            self.probes.setdefault(result.url, [])
             if result.probed.load is not None:
                 self.loads[result.url], self.last_read[result.url] = result.probed.load, result.finished
             if result.kind is Kind.PROBE:
