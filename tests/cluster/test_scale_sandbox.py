@@ -43,10 +43,13 @@ def job_states(name: str, env: dict) -> dict[str, str]:
 def test_member_jobs_one_squeue_per_interval_and_a_rolling_handover(slurm_env, tmp_path):
     env = dict(os.environ)
     raw = {"name": "sb-scale", "model": {"path": "builtin:tiny-llama", "served_name": "stub"},
-           "cluster": {"scheduler": "slurm", "nodes": MEMBERS, "cpus_per_node": 1, "gpus_per_node": 0, "time": "2"},
+           "cluster": {"scheduler": "slurm", "nodes": MEMBERS, "cpus_per_node": 1, "gpus_per_node": 0, "time": "3"},
            "parallelism": {"replicas": MEMBERS},
            "serve": {"host": "0.0.0.0", "port": free_loopback_port(), "api_key_env": "HPCSERVE_API_KEY",
-                     "handover_s": 100},  # the 2-minute jobs get their successors after about 20 s
+                     "handover_s": 100},
+           # 3-minute jobs: the handovers, one at a time and planned backwards from the last job's end, begin
+           # about 30 s in; the first 10 s are the steady state whose Slurm queries are counted
+
            "results_dir": str(tmp_path / "results")}
     record = LocalRun.start(parse_config(raw), tmp_path, "hpcserve.testing.endpoint", RunKind.ENDPOINT,
                             choose_key("HPCSERVE_API_KEY", False), {MEMBER_ENV: "1"}).record

@@ -19,6 +19,7 @@ class Autoscaler:
     def __init__(self, spec: AutoscaleSpec | None):
         self.spec = spec
         self.idle_since: dict[str, float] = {}  # backend -> when it last had a request waiting or running
+        self.last: dict | None = None  # the last decision, its reason and the load it saw (state.json)
 
     def step(self, ctl: ControlPlane) -> None:
         history = ctl.pool.history
@@ -28,6 +29,8 @@ class Autoscaler:
         starting = sum(1 for m in ctl.members if m.status is MemberStatus.LAUNCHING)
         decision = decide_scale(self.spec, history, len(ctl.serving_backends()), starting, self.idle_since,
                                 time.time())
+        self.last = {**decision.as_dict(), "waiting_per_replica": round(history[-1].waiting_per_replica(), 2),
+                     "samples": len(history)}
         if decision.action == "up" and ctl.failed_launches >= MAX_FAILED_LAUNCHES:
             # No launch loop on a site where members cannot start: say it once, until one joins again.
             if not any(d.action == "scale up held" for d in ctl.decisions[-20:]):

@@ -69,7 +69,8 @@ class Controller:
         self.members: list[Member] = []
         self.lock = threading.RLock()
         self.pool = Pool(router, api_key, cfg.model.name, TICK_S, self.serving_backends)
-        self.policies = [SelfHealing(), Autoscaler(cfg.autoscale), Handover(cfg)]
+        self.autoscaler = Autoscaler(cfg.autoscale)
+        self.policies = [SelfHealing(), self.autoscaler, Handover(cfg)]
         self.decisions: list[Decision] = []
         self.failed_launches = 0  # members in a row that never became ready
         self.forwarded = 0
@@ -383,6 +384,7 @@ class Controller:
                                members=[m.to_json() for m in self.members],
                                control={"rounds": self.rounds, **control_figures(list(self.round_s), list(self.step_s),
                                                                                  self.runs.slurm_queries())},
+                               autoscale=self.autoscaler.last,
                                decisions=[d.to_dict() for d in self.decisions[-20:]])
 
 
