@@ -134,7 +134,7 @@ def test_handover_under_load_with_a_busy_partition_fails_no_request(slurm_env, t
     config = write_config(tmp_path / "hand.yaml", HERE / "sandbox-replicas.yaml", name=name,
                           results_dir=str(tmp_path / "results"), serve={"port": 8700, **HOLD},
                           parallelism={"tensor": 1, "pipeline": 1, "replicas": replicas},
-                          cluster={"scheduler": "slurm", "nodes": 1, "gpus_per_node": 0, "cpus_per_node": 1,
+                          cluster={"scheduler": "slurm", "nodes": replicas, "gpus_per_node": 0, "cpus_per_node": 1,
                                    "time": str(WALLTIME_MIN), "sbatch_extra": ["--exclusive"]})
     busy = hold_nodes(env, 3 - replicas, WALLTIME_MIN - 1)
     try:

@@ -48,9 +48,9 @@ def test_two_replicas_on_two_nodes_both_answer(replicas, tmp_path):
     assert bench.returncode == 0, bench.stdout + bench.stderr
     summary = json.loads((tmp_path / "bench.json").read_text())["runs"][0]["summary"]
     assert summary["completed"] == 4 and summary["failed"] == 0
+    # `up` keeps the key's 0600 copy in the run folder: bench by name reads it, the variable unset or not.
     unset = run_cli("bench", NAME, "--num-prompts", "1", env={"HPCSERVE_API_KEY": ""})
-    assert unset.returncode == 2 and "export HPCSERVE_API_KEY" in unset.stderr, unset.stderr
-    assert "Traceback" not in unset.stderr
+    assert unset.returncode == 0 and "Traceback" not in unset.stderr, unset.stdout + unset.stderr
     # A sampler on every node of every member (one job per replica), one line a second.
     monitors = {r["nodes"][0]: Path(m["run_dir"]) / "monitor" for r, m in zip(reps, status["members"])}
     for node, monitor in monitors.items():
