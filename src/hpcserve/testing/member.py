@@ -7,7 +7,7 @@ It does what the controller reads of a driver: state.json (starting, then ready 
 URL, stopped at the end) and timeline.json, and it serves a stand-in engine (testing.standin) on the
 member's port, on every address of its node, with the endpoint's API key. SIGTERM (the controller's
 orderly stop: scancel --signal=TERM --batch) ends it. The stand-in's speed comes from the deployment's
-engine.env: STANDIN_TOKEN_DELAY_MS (per token) and STANDIN_SLOTS (requests at once, the rest queue).
+engine.env: STANDIN_DELAY_MS (per token) and STANDIN_SLOTS (requests at once, the rest queue).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from hpcserve.core.statuses import RunStatus, Stage
 from hpcserve.deployment.process import process_main
 from hpcserve.testing.standin import MetricsPage, make_app, run_loop
 
-TOKEN_DELAY_ENV, SLOTS_ENV = "STANDIN_TOKEN_DELAY_MS", "STANDIN_SLOTS"
+TOKEN_DELAY_ENV, SLOTS_ENV = "STANDIN_DELAY_MS", "STANDIN_SLOTS"
 
 
 def own_address(bind_host: str) -> str:
