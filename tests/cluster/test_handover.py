@@ -15,6 +15,7 @@ variant takes about 8 minutes, so the suite runs the two-replica one (which also
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import threading
 import time
@@ -89,6 +90,11 @@ def job_field(env: dict, job: str, field: str) -> str:
     return done.stdout.strip()
 
 
+def job_of(member: dict) -> str:
+    """The Slurm job id in a member's status line ("job 24: RUNNING on hsn2")."""
+    return re.search(r"job (\d+)", member["runner"]).group(1)
+
+
 def cancel_at(env: dict, job: str, at: float) -> threading.Thread:
     """The job ends at its EndTime exactly (Slurm itself ends it up to half a minute later)."""
     def cancel() -> None:
@@ -145,7 +151,7 @@ def test_handover_under_load_with_a_busy_partition_fails_no_request(slurm_env, t
         busy_ends = slurm_epoch(job_field(env, busy, "e"))
         with deployed(config, name) as status:
             first = [m["name"] for m in status["members"]]
-            ends = min(slurm_epoch(job_field(env, m["runner"].split()[1], "e")) for m in status["members"])
+            ends = min(slurm_epoch(job_field(env, job_of(m), "e")) for m in status["members"])
             cancel_at(env, busy, busy_ends)
             seen = Decisions(name)
             clients = Clients(status["endpoint"], os.environ["HPCSERVE_API_KEY"])
