@@ -122,7 +122,10 @@ class Prober:
 
         async def run() -> None:
             try:
-                probed = await one(url, aiohttp.ClientTimeout(total=timeout_s))
+                # Per operation, not in total (as httpx's timeout): a dead node fails its connect and a frozen
+                # engine its first read within timeout_s, while a busy engine that answers slowly but steadily
+                # is not taken for dead (a total of 1 s removed a loaded replica from the pool).
+                probed = await one(url, aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=timeout_s))
             finally:
                 self.in_flight.discard((url, kind))
             self.done.append(Result(url, kind, probed, time.monotonic()))
