@@ -37,15 +37,16 @@ import httpx
 import psutil
 import yaml
 
-from hpcserve.core.keys import choose_key
 from hpcserve.core.config import parse_config
 from hpcserve.core.files import read_json
+from hpcserve.core.keys import choose_key
 from hpcserve.core.net import free_loopback_port
 from hpcserve.core.paths import RunPaths
 from hpcserve.core.registry import Record
 from hpcserve.core.runstate import RunState
 from hpcserve.core.statuses import RunKind, RunStatus
 from hpcserve.deployment.runs import LocalRun
+from hpcserve.endpoint.router import Router
 from hpcserve.testing.endpoint import FARM_ENV
 from hpcserve.testing.harness import spawn, stop, wait_until
 from hpcserve.testing.members import FarmClient
@@ -139,9 +140,11 @@ def router_workers(url: str) -> set[str]:
 
 
 def backends_on(admin_socket: Path) -> set[str]:
-    with httpx.Client(transport=httpx.HTTPTransport(uds=str(admin_socket)), base_url="http://router",
-                      timeout=5, trust_env=False) as admin:
-        return {b["url"] for b in admin.get("/backends").raise_for_status().json().get("backends", [])}
+    admin = Router("127.0.0.1", 0, None, admin_socket.parent / "unused.log", admin_socket=admin_socket)
+    try:
+        return {b.url for b in admin.backends()}
+    finally:
+        admin.close()
 
 
 def cpu_seconds(pid: int) -> float:

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from test_slurm_ray import squeue_empty
 
-from hpcserve.core.keys import choose_key
 from hpcserve.core.config import parse_config
 from hpcserve.core.files import read_json
+from hpcserve.core.keys import choose_key
 from hpcserve.core.net import free_loopback_port
 from hpcserve.core.paths import RunPaths
 from hpcserve.core.statuses import RunKind
