@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from hpcserve.core.config import AutoscaleSpec
 from hpcserve.endpoint.decisions import (
+    SLOW_PROBES_TO_LEAVE,
     LoadSample,
     ProbeResult,
     decide_scale,
+    is_suspect,
+    leave_reason,
     replace_failed_launch,
     should_leave,
     update_idle_since,
@@ -26,6 +29,19 @@ def test_two_failed_probes_in_a_row_leave_the_pool():
     assert should_leave([ok, bad, bad])
     assert not should_leave([bad, bad, ok])
     assert not should_leave([bad])
+
+
+def test_a_replica_that_only_answers_late_is_skipped_at_once_and_leaves_much_later():
+    # Busy (connected, /health late) is not dead: stopping it would cut the streams it serves.
+    ok, late, refused = ProbeResult(True), ProbeResult(False, "SocketTimeoutError", late=True), ProbeResult(False, "refused")
+    assert is_suspect([ok, late, late]) and not should_leave([ok, late, late])
+    assert not should_leave([ok] + [late] * (SLOW_PROBES_TO_LEAVE - 1))
+    assert should_leave([late] * SLOW_PROBES_TO_LEAVE)
+    assert f"failed {SLOW_PROBES_TO_LEAVE} probes" in leave_reason([late] * SLOW_PROBES_TO_LEAVE)
+    # Late, then refused: dead after all, out at once
+    assert should_leave([ok, late, refused]) and not is_suspect([ok, late, refused])
+    assert "failed 2 probes" in leave_reason([ok, late, refused])
+    assert not is_suspect([late, late, ok])
 
 
 def test_queue_above_target_for_the_whole_window_adds_a_replica():

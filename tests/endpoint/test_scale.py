@@ -202,6 +202,7 @@ def test_prober_a_killed_replica_fails_at_once_a_silent_one_after_its_timeout(fa
     finally:
         prober.close()
     assert not probed[urls[0]].ok and not probed[urls[1]].ok
+    assert probed[urls[1]].late and not probed[urls[0]].late  # hung (connected, no answer), dead (refused)
     assert all(probed[u].ok and probed[u].load is not None for u in urls[2:])
     assert took < 3.0  # about the one timeout, not one per replica
 

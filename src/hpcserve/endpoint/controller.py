@@ -28,7 +28,7 @@ from hpcserve.deployment.process import Stop
 from hpcserve.deployment.runs import Launcher, Runs, expected_start
 from hpcserve.deployment.watch import StartWatch
 from hpcserve.endpoint.autoscale import Autoscaler
-from hpcserve.endpoint.decisions import FAILED_PROBES_TO_LEAVE, replace_failed_launch, served_during
+from hpcserve.endpoint.decisions import leave_reason, replace_failed_launch, served_during
 from hpcserve.endpoint.handover import Handover
 from hpcserve.endpoint.healing import SelfHealing
 from hpcserve.endpoint.members import (
@@ -335,7 +335,7 @@ class Controller:
         for member in self.members:
             url = next((u for u in member.backends if u in leaving), None)
             if member.status is MemberStatus.SERVING and url:
-                stops.append((member, f"{url} failed {FAILED_PROBES_TO_LEAVE} probes: {self.pool.last_probe(url).detail}"))
+                stops.append((member, f"{url} {leave_reason(self.pool.probes[url])}"))
         if stops:
             self.stop_members(stops)
 

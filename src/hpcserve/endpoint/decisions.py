@@ -20,6 +20,12 @@ from hpcserve.engine.metrics import EngineLoad
 # A backend whose probes failed this many times in a row leaves the pool. With a probe every second
 # and a one-second timeout, a dead backend is out within about 3 s.
 FAILED_PROBES_TO_LEAVE = 2
+# An engine that took the connection but answered late (a read timeout) is alive and busy, not dead: a
+# replica batching at its limit on a loaded machine answered /health in over a second, and stopping it
+# after two such probes cut the streams it was serving (the heterogeneous-pool test, 2026-12-02). It
+# is skipped for new requests at once (endpoint.pool: suspect) and leaves only after this many late
+# probes in a row (20-40 s: one probe at a time, each up to its timeout): a frozen engine still goes.
+SLOW_PROBES_TO_LEAVE = 20
 # Launches (replacements, successors) in one round, the rest in the next ones: when 10 % of 256 replicas
 # are lost at once, or 256 jobs started together reach their time limit together, 25 or 256 sbatch in
 # one round would hold it for seconds and hit slurmctld as a burst; four a round spread them out.
@@ -30,12 +36,31 @@ LAUNCHES_PER_ROUND = 4
 class ProbeResult:
     ok: bool
     detail: str = ""
+    late: bool = False  # failed by answering too late (connected, no answer in time): busy or frozen
+
+
+def failed_in_a_row(recent: list[ProbeResult], count: int) -> bool:
+    tail = recent[-count:]
+    return len(tail) == count and not any(p.ok for p in tail)
+
+
+def is_suspect(recent: list[ProbeResult]) -> bool:
+    """The last FAILED_PROBES_TO_LEAVE probes all failed, late: skipped for new requests, not yet left."""
+    return failed_in_a_row(recent, FAILED_PROBES_TO_LEAVE) and all(p.late for p in recent[-FAILED_PROBES_TO_LEAVE:])
 
 
 def should_leave(recent: list[ProbeResult]) -> bool:
-    """The last FAILED_PROBES_TO_LEAVE probes all failed."""
-    tail = recent[-FAILED_PROBES_TO_LEAVE:]
-    return len(tail) == FAILED_PROBES_TO_LEAVE and not any(p.ok for p in tail)
+    """The last FAILED_PROBES_TO_LEAVE probes all failed and one of them was not late (refused, a
+    connect timeout, /health not 200), or the last SLOW_PROBES_TO_LEAVE all failed (late or not)."""
+    if not failed_in_a_row(recent, FAILED_PROBES_TO_LEAVE):
+        return False
+    return not is_suspect(recent) or failed_in_a_row(recent, SLOW_PROBES_TO_LEAVE)
+
+
+def leave_reason(recent: list[ProbeResult]) -> str:
+    """Why a backend that should_leave leaves, for its decision and its member's note."""
+    count = SLOW_PROBES_TO_LEAVE if is_suspect(recent) else FAILED_PROBES_TO_LEAVE
+    return f"failed {count} probes in a row: {recent[-1].detail}"
 
 
 def probes_due(backends: list[str], last_started: dict[str, float], now: float, every_s: float,

@@ -1,7 +1,8 @@
 """The pool: the backends (replicas) behind the router that may take traffic, their probes and load.
 
 A replica joins after its member's driver saw a real completion and the endpoint probed it once more
-(from the router's side of the network); it leaves after FAILED_PROBES_TO_LEAVE failed probes, when
+(from the router's side of the network); it leaves after FAILED_PROBES_TO_LEAVE failed probes (after
+SLOW_PROBES_TO_LEAVE if they only answered late: a busy engine; skipped for new requests meanwhile), when
 its member's job ends, or when it is drained on purpose. Between the controller's rounds the
 load-aware rotation (endpoint.rotation) marks backends whose engine queues as saturated in the data plane.
 
@@ -19,7 +20,15 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
-from hpcserve.endpoint.decisions import LoadSample, ProbeResult, probes_due, reads_due, should_leave
+from hpcserve.endpoint.decisions import (
+    SLOW_PROBES_TO_LEAVE,
+    LoadSample,
+    ProbeResult,
+    is_suspect,
+    probes_due,
+    reads_due,
+    should_leave,
+)
 from hpcserve.endpoint.probe import Kind, Prober, Result
 from hpcserve.endpoint.rotation import Rotation
 from hpcserve.endpoint.router import Router
@@ -129,16 +138,16 @@ class Pool:
                 self.loads[result.url], self.last_read[result.url] = result.probed.load, result.finished
             if result.kind is Kind.PROBE:
                 recent = self.probes[result.url]
-                recent.append(ProbeResult(result.probed.ok, result.probed.detail))
-                del recent[:-10]
+                recent.append(ProbeResult(result.probed.ok, result.probed.detail, result.probed.late))
+                del recent[:-SLOW_PROBES_TO_LEAVE]
 
     def leaving(self) -> list[str]:
-        """The backends that must leave: their last FAILED_PROBES_TO_LEAVE probes failed."""
+        """The backends that must leave (decisions.should_leave)."""
         return [url for url in self.backends() if should_leave(self.probes.get(url, []))]
 
-    def last_probe(self, url: str) -> ProbeResult | None:
-        recent = self.probes.get(url)
-        return recent[-1] if recent else None
+    def suspect(self) -> set[str]:
+        """The backends that answer too late (decisions.is_suspect): skipped for new requests meanwhile."""
+        return {url for url in self.backends() if is_suspect(self.probes.get(url, []))}
 
     def record_sample(self) -> None:
         """Every backend's last known load as one sample, once a round, for the autoscaler."""
@@ -154,14 +163,14 @@ class Pool:
     # ------------------------------------------------------------ load-aware rotation
     def balance(self) -> None:
         """Each round, with the figures known."""
-        self.rotation.update(self.backends(), self.answering(), self.loads)
+        self.rotation.update(self.backends(), self.answering(), self.loads, self.suspect())
 
     def rotate(self) -> None:
         """Between rounds, every ROTATION_S: a probing step that waits a little for this step's reads,
         and the rotation updated with them. A slow replica then gets new requests about as fast as it
         finishes them (docs/endpoint.md)."""
         self.step(wait_for_reads_s=READ_WAIT_S)
-        self.rotation.update(self.backends(), self.answering(), self.loads)
+        self.rotation.update(self.backends(), self.answering(), self.loads, self.suspect())
 
     def busy(self, url: str) -> bool:
         """Requests still run or wait on it (a dead engine has nothing left to drain)."""

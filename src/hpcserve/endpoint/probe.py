@@ -42,6 +42,18 @@ class Probed:
     ok: bool
     detail: str = ""
     load: EngineLoad | None = None
+    late: bool = False  # connected but no answer in time (a read timeout): a busy or frozen engine
+
+
+def per_operation(timeout_s: float) -> aiohttp.ClientTimeout:
+    """Per operation, not in total (as httpx's timeout): a dead node fails its connect and a hung engine
+    its first read within timeout_s, while a busy engine that answers slowly but steadily is not taken
+    for dead (a total of 1 s removed a loaded replica from the pool)."""
+    return aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=timeout_s)
+
+
+def failure(exc: Exception) -> Probed:
+    return Probed(False, f"{type(exc).__name__}: {exc}"[:200], late=isinstance(exc, aiohttp.SocketTimeoutError))
 
 
 class Kind(StrEnum):
@@ -58,7 +70,9 @@ class Result:
 
 
 class Prober:
-    """An event loop in a thread of its own, one HTTP session (keep-alive connections to every backend)."""
+    """An event loop in a thread of its own, one HTTP session (keep-alive connections to every backend)
+    for /metrics, and a fresh connection for every /health: on a kept connection a dead node's silence
+    reads as an engine answering late (decisions.SLOW_PROBES_TO_LEAVE), on a new one its connect fails."""
 
     def __init__(self, api_key: str | None, max_in_flight: int = MAX_IN_FLIGHT):
         self.headers = bearer(api_key)
@@ -68,14 +82,16 @@ class Prober:
         self.thread.start()
         self.in_flight: set[tuple[str, Kind]] = set()  # touched by the loop's thread only
         self.done: deque[Result] = deque()  # appended by the loop's thread, emptied by collect()
-        self.session, self.slots = self._run(self._open())
+        self.session, self.fresh, self.slots = self._run(self._open())
 
-    async def _open(self) -> tuple[aiohttp.ClientSession, asyncio.Semaphore]:
+    async def _open(self) -> tuple[aiohttp.ClientSession, aiohttp.ClientSession, asyncio.Semaphore]:
         # The semaphore bounds requests at once; a request's timeout starts once it holds a slot (a
         # connector limit would count the wait for a connection into the timeout: under many silent
         # replicas, healthy ones would time out waiting). trust_env off: never through a proxy.
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
-        return aiohttp.ClientSession(connector=connector, trust_env=False), asyncio.Semaphore(self.max_in_flight)
+        kept = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
+        fresh = aiohttp.TCPConnector(limit=0, force_close=True)
+        return (aiohttp.ClientSession(connector=kept, trust_env=False),
+                aiohttp.ClientSession(connector=fresh, trust_env=False), asyncio.Semaphore(self.max_in_flight))
 
     def _run(self, coroutine: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout_s)
@@ -91,8 +107,7 @@ class Prober:
         return {url: p.load for url, p in probed.items()}
 
     async def _many(self, one, urls: list[str], timeout_s: float) -> dict[str, Probed]:
-        timeout = aiohttp.ClientTimeout(total=timeout_s)
-        results = await asyncio.gather(*(one(url, timeout) for url in urls))
+        results = await asyncio.gather(*(one(url, per_operation(timeout_s)) for url in urls))
         return dict(zip(urls, results))
 
     def start(self, probes: list[str], reads: list[str], probe_timeout_s: float, read_timeout_s: float) -> Future:
@@ -122,40 +137,44 @@ class Prober:
 
         async def run() -> None:
             try:
-                # Per operation, not in total (as httpx's timeout): a dead node fails its connect and a frozen
-                # engine its first read within timeout_s, while a busy engine that answers slowly but steadily
-                # is not taken for dead (a total of 1 s removed a loaded replica from the pool).
-                probed = await one(url, aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=timeout_s))
+                probed = await one(url, per_operation(timeout_s))
             finally:
                 self.in_flight.discard((url, kind))
             self.done.append(Result(url, kind, probed, time.monotonic()))
 
         return self.loop.create_task(run())
 
-    async def _get(self, url: str, timeout: aiohttp.ClientTimeout) -> tuple[int, str]:
-        async with self.slots, self.session.get(url, headers=self.headers, timeout=timeout) as response:
+    async def _get(self, url: str, timeout: aiohttp.ClientTimeout, session: aiohttp.ClientSession | None = None
+                   ) -> tuple[int, str]:
+        async with self.slots, (session or self.session).get(url, headers=self.headers, timeout=timeout) as response:
             return response.status, await response.text()
 
     async def _probe_one(self, url: str, timeout: aiohttp.ClientTimeout) -> Probed:
-        try:
-            (health, _), (status, text) = await asyncio.gather(self._get(f"{url}/health", timeout),
-                                                                self._get(f"{url}/metrics", timeout))
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            return Probed(False, f"{type(exc).__name__}: {exc}"[:200])
-        if health != 200 or status != 200:
-            return Probed(False, f"/health {health}, /metrics {status}")
-        return parsed(text)
+        health, metrics = await asyncio.gather(self._get(f"{url}/health", timeout, self.fresh),
+                                               self._get(f"{url}/metrics", timeout), return_exceptions=True)
+        errors = [r for r in (health, metrics) if isinstance(r, BaseException)]
+        if errors:
+            unexpected = [e for e in errors if not isinstance(e, aiohttp.ClientError | asyncio.TimeoutError)]
+            if unexpected:
+                raise unexpected[0]
+            # Late only if everything that failed was late (a refused /health is a dead engine)
+            first = min(errors, key=lambda e: isinstance(e, aiohttp.SocketTimeoutError))
+            return failure(first)
+        if health[0] != 200 or metrics[0] != 200:
+            return Probed(False, f"/health {health[0]}, /metrics {metrics[0]}")
+        return parsed(metrics[1])
 
     async def _load_one(self, url: str, timeout: aiohttp.ClientTimeout) -> Probed:
         try:
             status, text = await self._get(f"{url}/metrics", timeout)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            return Probed(False, f"{type(exc).__name__}: {exc}"[:200])
+            return failure(exc)
         return parsed(text) if status == 200 else Probed(False, f"/metrics {status}")
 
     def close(self) -> None:
         try:
             self._run(self.session.close(), 5)
+            self._run(self.fresh.close(), 5)
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(timeout=5)

@@ -51,7 +51,9 @@ class Rotation:
         self.router = router
         self.paused: set[str] = set()  # saturated now: skipped by the data plane while another has room
 
-    def update(self, pool: list[str], answered: set[str], loads: dict[str, EngineLoad | None]) -> None:
-        marked = next_saturated(pool, answered, loads, self.paused)
+    def update(self, pool: list[str], answered: set[str], loads: dict[str, EngineLoad | None],
+               suspect: set[str] = frozenset()) -> None:
+        """suspect: backends whose probes answer too late (busy or frozen): marked, as if saturated."""
+        marked = next_saturated(pool, answered, loads, self.paused) | (suspect & set(pool))
         self.router.set_saturated(marked)  # one admin call, only when a mark changed
         self.paused = marked

@@ -22,7 +22,7 @@ on --admin-port that the benchmarks drive:
     GET  /farm                      {"pid", "standins": [{"port", "name", "state", "requests", ...}]}
     POST /farm/kill?port=P&port=Q   as kill -9: the port stops listening and open connections are cut
     POST /farm/stop?port=P          graceful: no new connections, in-flight requests finish
-    POST /farm/freeze?port=P        as a dead node: connections are accepted, nothing is ever answered
+    POST /farm/freeze?port=P        as a hung engine: connections are accepted, nothing is ever answered
     POST /farm/start?port=P         serve again on the same port (a replacement)
 """
 
@@ -118,7 +118,7 @@ def _authorized(request: web.Request) -> bool:
 
 
 async def _frozen_gate(request: web.Request) -> None:
-    """A frozen stand-in (a dead node) accepts connections and never answers."""
+    """A frozen stand-in (a hung engine) accepts connections and never answers."""
     if request.app[FROZEN].is_set():
         await asyncio.Event().wait()
 
