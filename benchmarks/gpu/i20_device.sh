@@ -1,6 +1,7 @@
 #!/bin/bash
 # Issue 20 on the H200 device machine (after ../shared/gpu's install calls): weight loading, compile-cache
-# warm start, cache-aware routing. One phase per device call; the exact sequence is in .gpu/PLAN.md.
+# warm start, cache-aware routing, `hpcserve baseline`. One phase per device call; the sequences of calls that
+# ran are in docs/benchmarks/gpu.md (2026-12-02 sections).
 # State that must outlive a call (model folder, compile cache, results so far) stays on the machine
 # (under /tmp/i20 and the disk folder named in /tmp/i20/base) while it is warm, i.e. while calls follow
 # each other within 30 s. Each phase returns at most 4 files under $OUT: summary.txt (its log lines and
@@ -9,6 +10,7 @@
 #
 #   gen                       model folder (Llama-3.1-8B shape) + 16.06 GB random bf16 safetensors on a
 #                             disk-backed folder; page-cache checks (drop_caches, posix_fadvise, read GB/s)
+#   model                     the model folder without weights (config + tokenizer: enough for dummy weights)
 #   pyc                       byte-compile the vllm package (so a cold start measures torch.compile only)
 #   micro [--budget S]        vLLM 0.26's weight iterators alone, cold page cache (i20_loaders.py)
 #   ready CASE... [--budget S]
@@ -21,11 +23,19 @@
 #                             load:NAME      NAME: runai_streamer fastsafetensors instanttensor prefetch
 #                                            multithread8 eager
 #   routing [WORKLOAD:POLICY...] [--budget S]
-#                             two replicas on the one GPU + vllm-router 0.1.17; WORKLOAD pre | mt | cal | vb,
+#                             two replicas on the one GPU + vllm-router 0.1.17; WORKLOAD pre | mt | cal | vb | rnd
+#                             (rnd: no shared prefix, 800 prompts of 512 tokens, 128 out, 64 in flight),
 #                             POLICY round_robin | cache_aware | consistent_hash | power_of_two | random
 #                             | hps:prefix | hps:least_loaded | hps:round_robin (hpcserve's own data plane,
 #                             hpcserve.endpoint.dataplane from src/, instead of vllm-router on port 8000)
+#   baseline [--budget S]     `hpcserve baseline` (issue 20 part 4) of a one-node TP=1 deployment of the model
+#                             folder (dummy weights), hpcserve installed --no-deps from $I20_SNAP (a copy of the
+#                             committed pyproject.toml + src); its folder (baseline.md, JSON, plots) under $OUT
 # A step is skipped (and says so) when it might not end within the budget (seconds since the phase began).
+# I20_SRC: the src folder the data plane (hps:*) runs from (default: this checkout's src; use a snapshot of
+# the committed tree when others edit the checkout). The prompts of pre/cal/rnd use the words w3..w9999
+# (--vocab 10000, 6 characters a token): vLLM 0.26 refuses, before tokenizing, a prompt of more than
+# 7 x (max-model-len - max_tokens) characters, and the full vocabulary's ~7.1 characters a token crossed it.
 set -uo pipefail
 T_START=$(date +%s)
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -275,12 +285,18 @@ phase_ready() {
 }
 
 # ------------------------------------------------------------------ routing
+ensure_model() { # config + tokenizer only (dummy weights): what routing and baseline need; gen adds weights
+  [ -f "$MODEL/config.json" ] && return 0
+  local j
+  j=$($PY "$HERE/i20_model.py" "$MODEL" ${I20_MODEL_ARGS:-} 2> "$RAW/model.err") || { log "model folder FAILED"; tail -20 "$RAW/model.err" | tee -a "$SUM"; return 1; }
+  log "model folder (no weights): $j"
+}
 replica() { # IDX PORT
   VLLM_SERVER_DEV_MODE=1 VLLM_PORT=$((30000 + 1000 * $1)) VLLM_DP_MASTER_PORT=$((40000 + 1000 * $1)) \
     VLLM_CACHE_ROOT=$VC TRITON_CACHE_DIR=$VC/triton-pre TORCHINDUCTOR_CACHE_DIR=$VC/inductor-pre \
     start_bg "replica$1" "$RAW/replica$1.log" $VLLM serve "$MODEL" $COMMON --port "$2" --load-format dummy $REPLICA_MEM
 }
-SRC=$(cd "$HERE/../.." && pwd)/src   # hpcserve's own data plane (hps:POLICY) runs from the checkout
+SRC=${I20_SRC:-$(cd "$HERE/../.." && pwd)/src}   # hpcserve's own data plane (hps:POLICY): checkout or snapshot
 HPS_SOCK=$I20/hps/admin.sock
 HPS_OK=0
 hps_check() { # can the device's python run hpcserve.endpoint.dataplane (its imports come with vLLM)?
@@ -317,7 +333,7 @@ except Exception as exc:
 PY
 }
 phase_routing() {
-  [ -f "$MODEL/config.json" ] || { log "no model folder at $MODEL: run gen first"; return 1; }
+  ensure_model || return 1
   local runs=("${ARGS[@]}")
   # by value: the prefill-bound load (vllm-router's policies against hpcserve's data plane), then multi-turn,
   # then the calibration's concurrency (32); the budget drops the tail
@@ -354,8 +370,9 @@ phase_routing() {
   for spec in "${runs[@]}"; do
     i=$((i + 1)); wl=${spec%%:*}; pol=${spec#*:}; pn=${pol//:/-}; seed=$((1000 + i))
     case $wl in
-      pre) est=60; cargs=(${I20_PRE_ARGS:---mode prefix --num-prefixes $P --prefix-len 1900 --suffix-len 100 --output-len 16 --num-requests $((4 * P)) --concurrency 128});;
-      cal) est=75; cargs=(${I20_CAL_ARGS:---mode prefix --num-prefixes $P --prefix-len 1850 --suffix-len 100 --output-len 64 --num-requests $((4 * P)) --concurrency 32});;
+      pre) est=60; cargs=(${I20_PRE_ARGS:---mode prefix --vocab 10000 --num-prefixes $P --prefix-len 1900 --suffix-len 100 --output-len 16 --num-requests $((4 * P)) --concurrency 128});;
+      cal) est=75; cargs=(${I20_CAL_ARGS:---mode prefix --vocab 10000 --num-prefixes $P --prefix-len 1850 --suffix-len 100 --output-len 64 --num-requests $((4 * P)) --concurrency 32});;
+      rnd) est=50; cargs=(${I20_RND_ARGS:---mode prefix --vocab 10000 --num-prefixes 800 --prefix-len 511 --suffix-len 1 --output-len 128 --num-requests 800 --concurrency 64});;
       vb) est=75; cargs=();;
       mt) est=75; cargs=(${I20_MT_ARGS:---mode multiturn --sessions $S --turns 6 --user-len 250 --output-len 48 --concurrency 64});;
       *) log "unknown workload $wl"; continue;;
@@ -398,11 +415,54 @@ phase_routing() {
     local md; md=$($PY "$HERE/i20_util.py" mdiff "$RAW/m${i}_r1_before.json" "$RAW/m${i}_r1_after.json" "$RAW/m${i}_r2_before.json" "$RAW/m${i}_r2_after.json")
     [ -n "$cj" ] || { cj='{}'; log "client failed:"; tail -5 "$RAW/client_${i}.err" | tee -a "$SUM"; }
     log "$wl/$pol seed $seed (reset: $r1 $r2)"; log "  client: $cj"; log "  metrics: $md"; log "  router: $rmj"
+    echo "$cj" | grep -q '"failed": 0,' || log "  WARNING: $wl/$pol had failed requests (or no client summary)"
     rec phase=routing workload=$wl policy=$pol seed=$seed ok=true "client=$cj" "metrics=$md" "router=$rmj" kv_tokens=$K \
         "sizes={\"P\":$P,\"S\":$S}" run=$i
     stop_tree $rp; rm -f "$I20/pid.router"
   done
   stop_tree $p1; stop_tree $p2; rm -f "$I20/pid.replica1" "$I20/pid.replica2"
+}
+
+# ------------------------------------------------------------------ baseline
+phase_baseline() { # issue 20 part 4: `hpcserve baseline` on the one GPU (single node = the configured layout here)
+  local snap=${I20_SNAP:-$(dirname "$SRC")} t0 rc folder
+  ensure_model || return 1
+  $PY -m pip install -q --no-deps --no-build-isolation --no-compile "$snap" > "$RAW/pip.log" 2>&1 || { log "pip install of $snap FAILED"; tail -5 "$RAW/pip.log" | tee -a "$SUM"; return 1; }
+  command -v hpcserve >/dev/null || { log "no hpcserve on PATH after the install"; return 1; }
+  log "hpcserve installed from $snap: $($PY -c 'import hpcserve, os; print(os.path.dirname(hpcserve.__file__))')"
+  export HPCSERVE_HOME=$I20/hpcserve-home HPCSERVE_CACHE=$I20/hpcserve-cache
+  HPCSERVE_API_KEY=$($PY -c 'import secrets; print(secrets.token_hex(16))'); export HPCSERVE_API_KEY
+  mkdir -p "$VC/triton-pre" "$VC/inductor-pre"
+  # The routing replicas' compile cache (same model folder, dtype, max-model-len): engine.env names it, which
+  # hpcserve lets override its own per-layout folder (deployment/replicas.py _engine_env). A miss compiles.
+  cat > "$I20/baseline.yaml" <<YAML
+# issue 20 part 4 on one H200: the Llama-3.1-8B shape, dummy weights, one TP=1 replica (executor auto = uni)
+name: h200-base
+model: {path: $MODEL, served_name: m, dtype: bfloat16, max_model_len: 2048}
+cluster: {scheduler: local, nodes: 1, gpus_per_node: 1, cpus_per_node: 16, gpu_memory_gb: 139}
+parallelism: {tensor: 1, pipeline: 1, replicas: 1}
+engine:
+  args: ["--load-format", "dummy", "--disable-custom-all-reduce"]
+  env: {NCCL_NVLS_ENABLE: "0", TORCH_SYMM_MEM_DISABLE_MULTICAST: "1", NVSHMEM_DISABLE_NVLS: "1",
+        VLLM_ALLREDUCE_USE_SYMM_MEM: "0", VLLM_USE_FLASHINFER_SAMPLER: "0", VLLM_CACHE_ROOT: "$VC",
+        TRITON_CACHE_DIR: "$VC/triton-pre", TORCHINDUCTOR_CACHE_DIR: "$VC/inductor-pre"}
+serve: {host: 127.0.0.1, port: 8000, api_key_env: HPCSERVE_API_KEY}
+results_dir: $I20/results
+YAML
+  cp "$I20/baseline.yaml" "$RAW/"
+  gpu_free
+  local args=(${I20_BASELINE_ARGS:---concurrency 8,32 --num-prompts 64 --input-len 512 --output-len 128})
+  log "hpcserve baseline $I20/baseline.yaml ${args[*]} (deadline $(( $(left) - 20 )) s)"
+  t0=$(now)
+  timeout $(( $(left) - 20 )) hpcserve baseline "$I20/baseline.yaml" "${args[@]}" > "$RAW/baseline.out" 2>&1; rc=$?
+  log "hpcserve baseline rc $rc after $(since "$t0") s"; tail -n 30 "$RAW/baseline.out" | cut -c1-300 | tee -a "$SUM"
+  [ $rc = 0 ] || { hpcserve down h200-base >> "$RAW/down.log" 2>&1; hpcserve down h200-base-single >> "$RAW/down.log" 2>&1; }
+  folder=$I20/results/logs/h200-base/baseline
+  [ -d "$folder" ] && { tar czf "$OUT/baseline.tar.gz" -C "$folder" . ; cp "$folder/baseline.md" "$OUT/" 2>/dev/null; }
+  # every run folder (timelines, states, engine and router logs: where `up`'s time went, compile cache hit/miss)
+  cp -a "$I20/results" "$RAW/results" 2>/dev/null
+  find "$I20/results" -path '*engines*' -name '*.log' -exec grep -H -m2 -E "Directly load|Compiling a graph|saved AOT|Compiling model again" {} + 2>/dev/null | cut -c1-240 | tee -a "$SUM"
+  rec phase=baseline ok=$([ $rc = 0 ] && echo true || echo false) rc=$rc seconds=$(since "$t0") "args=${args[*]}"
 }
 
 leftovers
@@ -413,5 +473,7 @@ case $PHASE in
   micro) phase_micro;;
   ready) phase_ready;;
   routing) phase_routing;;
+  baseline) phase_baseline;;
+  model) ensure_model;;
   *) log "unknown phase $PHASE";;
 esac
