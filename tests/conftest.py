@@ -45,15 +45,90 @@ def sandbox_unusable_reason() -> str | None:
 
 @pytest.fixture(scope="session")
 def sandbox():
-    """A running 3-node sandbox, shared by the whole test session and stopped at its end."""
+    """A running 3-node sandbox, shared by the whole test session (by one worker's tests under
+    pytest-xdist) and stopped at its end."""
     reason = sandbox_unusable_reason()
     if reason:
         pytest.skip(reason)
     from hpcserve.sandbox.cluster import ensure_sandbox
 
-    cluster = ensure_sandbox(nodes=SANDBOX_NODES)
+    cluster = ensure_sandbox(nodes=SANDBOX_NODES, **sandbox_settings(worker_index()))
     yield cluster
     cluster.down()
+
+
+# ---------------------------------------------------------------- side by side (pytest-xdist)
+# scripts/test.sh runs the suite on two workers. Each worker has a sandbox of its own (namespaces, bridge,
+# Slurm, munge), so their jobs never meet; the first keeps the default one, whose names (hsn1, 198.18.0.11)
+# some tests spell out: those run on it (PINNED). Tests that share a deployment run on one worker (GROUPS),
+# the longest first, so that the two workers end together (durations: docs/testing.md).
+
+def worker_index() -> int:
+    """0 for gw0 and for a run without xdist."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    return int(worker[2:]) if worker.startswith("gw") else 0
+
+
+def sandbox_settings(index: int) -> dict:
+    if index == 0:
+        return {}
+    return {"root": Path(f"/tmp/hpcserve-sandbox-w{index}"), "prefix": f"hs{index}", "net": f"198.18.{index}"}
+
+
+# Groups of test files that must run on one worker, in the order their scopes are handed out (longest
+# first); every other file is a group of its own, after these.
+GROUPS = [
+    "tests/cluster/test_handover.py",
+    "tests/cluster/test_hostile_user.py",
+    "tests/cluster/test_scale_sandbox.py",
+    "tests/cluster/test_endpoint.py",
+    "tests/local/",  # one local deployment for every module; test_zz_down.py ends it
+    "tests/cluster/test_adopt.py",
+    "tests/cluster/test_distributed_serving.py",
+    "tests/cluster/test_site_profiles.py",
+    "tests/cluster/test_two_replicas.py",
+    "tests/endpoint/test_router_vllm.py",
+    "tests/cluster/test_slurm_ray.py",
+    "tests/doctor/test_doctor_sandbox.py",
+]
+LAST = "tests/sandbox/"  # its last test takes the default sandbox down
+PINNED = {"tests/cluster/test_two_replicas.py", "tests/cluster/test_slurm_ray.py",
+          "tests/doctor/test_doctor_sandbox.py", LAST}  # they name the default sandbox's nodes and addresses
+
+
+def test_group(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    return next((g for g in [*GROUPS, LAST] if path.startswith(g)), path)
+
+
+def group_rank(group: str) -> int:
+    return GROUPS.index(group) if group in GROUPS else len(GROUPS) + (group == LAST)
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: group_rank(test_group(item.nodeid)))  # stable: file order within a group
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        """xdist's loadscope with our groups, PINNED ones only on gw0 (xdist's own loadgroup put tests of
+        one xdist_group on two workers under pytest 9.2)."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return test_group(nodeid)
+
+        def _assign_work_unit(self, node) -> None:
+            pinned_here = node.gateway.id == "gw0"
+            scope = next((s for s in self.workqueue if pinned_here or s not in PINNED), None)
+            if scope is None:
+                return  # only gw0's groups are left: this worker waits for the end of the run
+            self.workqueue.move_to_end(scope, last=False)
+            super()._assign_work_unit(node)
+
+    return ByGroup(config, log)
 
 
 # ---------------------------------------------------------------- where to look when a test fails

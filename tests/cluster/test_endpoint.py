@@ -99,7 +99,7 @@ def wait_served(name: str, more_than: int, timeout: float = 120) -> None:
 
 def test_endpoint_scales_with_the_queue_and_drains_when_idle(slurm_env, tmp_path):
     config = write_config(tmp_path / "scale.yaml", HERE / "sandbox-replicas.yaml", name="sb-scale",
-                          results_dir=str(tmp_path / "results"), serve={"port": 8500},
+                          results_dir=str(tmp_path / "results"), serve={"port": 8600},
                           parallelism={"tensor": 1, "pipeline": 1, "replicas": 1},
                           engine={"args": ["--enforce-eager", "--max-num-seqs", "2"]},
                           # Idle for 30 s: the steady load's gaps at one replica (Poisson, 0.25/s each) stay

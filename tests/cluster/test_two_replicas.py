@@ -91,9 +91,10 @@ class InFlight:
 
 @pytest.mark.parametrize("run", range(HET_RUNS))
 def test_unequal_replicas_get_traffic_in_proportion_to_their_capacity(replicas, tmp_path, run):
-    # Round robin would put half of the 10 concurrent requests on each replica, five queueing on the small
-    # one. The data plane sends a request where the fewest are in flight per unit of capacity (8 and 1)
-    # and skips a replica whose engine queues: the small one holds about one, the big one the rest. How
+    # Round robin would put half of the 10 concurrent requests on each replica, four queueing on the small
+    # one. The data plane bounds each replica to its capacity's share of what is in flight (8 and 1; the
+    # default policy, prefix, to 1.25 x that share) and skips one whose engine queues with every slot
+    # taken: the small one holds one or two, the big one the rest. How
     # many each then finishes depends on how fast each runs them (on 2 shared cores the small one, running
     # one at a time, can finish as many as the big one running eight): the split is printed, not asserted.
     members = {m["group"]: m for m in status_of(NAME)["members"]}
@@ -110,4 +111,4 @@ def test_unequal_replicas_get_traffic_in_proportion_to_their_capacity(replicas, 
     assert served[big] + served[small] == 201  # bench's one warm-up request, then the 200
     print(f"het run {run}: in flight big {held[big]:.1f}, small {held[small]:.1f}; "
           f"finished big {served[big]:.0f}, small {served[small]:.0f}")  # the 10-run record in docs/testing.md
-    assert held[small] <= 2.0 and held[big] >= 3 * held[small], (held, served)
+    assert held[small] <= 2.5 and held[big] >= 2 * held[small], (held, served)  # round robin: 5 and 5

@@ -197,9 +197,22 @@ def test_saturated_backends_are_marked_and_come_back_with_hysteresis():
     assert next_saturated(["m0"], {"m0"}, {"m0": idle}, {"m1"}) == set()  # m1 left the pool: forgotten
 
 
+def test_a_request_waiting_in_an_engine_with_free_slots_is_not_saturation():
+    # One waiting for the next scheduler step beside five running of eight slots: room; beside one of one: full.
+    big, small = EngineLoad(5, 1, 0.3), EngineLoad(1, 1, 0.1)
+    capacities = {"big": 8, "small": 1}
+    assert saturated_now({"big": big, "small": small}, set(), capacities) == {"small"}
+    assert saturated_now({"big": EngineLoad(8, 1, 0.3)}, set(), capacities) == {"big"}  # every slot taken
+    assert saturated_now({"big": EngineLoad(2, 0, 0.97)}, set(), capacities) == {"big"}  # KV cache full
+    assert saturated_now({"x": big}, set(), capacities) == {"x"}  # capacity unknown: any queue counts
+
+
 class RecordingRouter:
     def __init__(self):
         self.sent: list[set[str]] = []
+
+    def capacities(self) -> dict[str, int]:
+        return {}
 
     def set_saturated(self, urls) -> None:
         self.sent.append(set(urls))
@@ -259,6 +272,6 @@ def test_the_configured_routing_reaches_the_data_plane_and_a_wrong_one_is_named(
     cfg = parse_config({"name": "r", "model": {"path": "builtin:tiny-llama"}, "serve": {"routing": "prefix"}})
     argv = dataplane_argv("127.0.0.1", 8000, None, Path("/tmp/a.sock"), cfg.serve.routing, cfg.serve.hold_s)
     assert argv[argv.index("--policy") + 1] == "prefix"
-    assert parse_config({"name": "r", "model": {"path": "builtin:tiny-llama"}}).serve.routing is Routing.LEAST_LOADED
+    assert parse_config({"name": "r", "model": {"path": "builtin:tiny-llama"}}).serve.routing is Routing.PREFIX
     with pytest.raises(ConfigError, match="serve.routing.*'least_loaded', 'round_robin' or 'prefix'"):
         parse_config({"name": "r", "model": {"path": "builtin:tiny-llama"}, "serve": {"routing": "sticky"}})

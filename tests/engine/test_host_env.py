@@ -71,9 +71,15 @@ def test_raylet_unreadable_falls_back_to_the_worker_environment():
 
 
 def test_read_job_process_of_a_real_process():
-    job = read_job_process(str(os.getpid()))
-    assert job is not None and job.env["PATH"] == os.environ["PATH"]
-    assert job.nice == os.getpriority(os.PRIO_PROCESS, 0)
+    # A child of our own with a known environment (a pytest-xdist worker's own was set after its start)
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE,
+                             env={"PATH": os.defpath, "HPCSERVE_PROBE": "1"})
+    try:
+        job = read_job_process(str(child.pid))
+        assert job is not None and job.env["PATH"] == os.defpath and job.env["HPCSERVE_PROBE"] == "1"
+        assert job.nice == os.getpriority(os.PRIO_PROCESS, child.pid)
+    finally:
+        child.communicate(timeout=30)
     assert read_job_process(None) is None and read_job_process("not-a-pid") is None
     assert read_job_process("999999999") is None  # no such process
 

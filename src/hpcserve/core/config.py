@@ -141,10 +141,12 @@ class ServeSpec(Strict):
     handover_s: float | None = Field(None, gt=0, description="Slurm: submit a job's successor at least this long "
                                      "before its time limit; the lead is timed from Slurm's queue estimate and the "
                                      "measured startups (docs/endpoint.md)")
-    routing: Routing = Field(Routing.LEAST_LOADED, description="how the endpoint picks a replica: least_loaded "
-                             "(fewest in flight per unit of capacity), round_robin, or prefix (a session's or a "
-                             "prompt prefix's requests to the replica that holds its KV cache: multi-turn chat; "
-                             "docs/benchmarks/gpu.md)")
+    routing: Routing = Field(Routing.PREFIX, description="how the endpoint picks a replica: prefix (the default: "
+                             "a session's or a prompt prefix's requests to the replica that holds its KV cache, "
+                             "bounded to 1.25 x a replica's share of what is in flight; 1.5 x the throughput of "
+                             "round robin on shared prefixes, equal on random prompts: docs/benchmarks/gpu.md), "
+                             "least_loaded (fewest in flight per unit of capacity: when the median first token "
+                             "matters more than throughput), or round_robin")
     hold_s: float = Field(60.0, ge=0, description="while no replica can take a request (none in the pool yet, "
                           "or the only one being replaced), the endpoint holds new requests this long and "
                           "sends them on as soon as one joins; after that they get 503 with Retry-After. "

@@ -2,8 +2,8 @@
 
 The data plane balances by its own in-flight counts per unit of each backend's capacity, which already
 gives replicas of unequal size their share. What it cannot see is an engine's own state: requests
-queueing inside it (other clients, probes, a capacity set too high) or a KV cache nearly full. The
-controller reads /metrics a few times a second and marks such backends saturated; the data plane then
+queueing inside it with every slot taken (other clients, probes) or a KV cache nearly full (a capacity
+set too high). The controller reads /metrics a few times a second and marks such backends saturated; the data plane then
 skips them while another has room (balance.candidates), and uses them all when all are saturated
 (queueing anywhere beats refusing). Marks change the data plane's choice, never its membership, so no
 backend is ever removed and added back for load (what vllm-router needed, with a moment of none).
@@ -16,12 +16,14 @@ from hpcserve.endpoint.router import Router
 from hpcserve.engine.metrics import EngineLoad, is_saturated
 
 
-def saturated_now(loads: dict[str, EngineLoad | None], marked: set[str], max_waiting: float = 0.0,
-                  max_kv_usage: float = 0.95, resume_kv_usage: float = 0.85) -> set[str]:
-    """A backend whose engine queues requests (waiting > max_waiting) or whose KV cache is nearly full is
-    marked; a marked one stays marked until its queue is empty and its KV cache below resume_kv_usage
-    (the gap stops flapping). A backend without figures (None) keeps its mark (its probes decide about
-    dead ones). Pure."""
+def saturated_now(loads: dict[str, EngineLoad | None], marked: set[str], capacities: dict[str, int] | None = None,
+                  max_waiting: float = 0.0, max_kv_usage: float = 0.95, resume_kv_usage: float = 0.85) -> set[str]:
+    """A backend whose engine queues requests (waiting > max_waiting) with all its slots running (running
+    >= its capacity, when known) or whose KV cache is nearly full is marked; a marked one stays marked
+    until its queue is empty and its KV cache below resume_kv_usage (the gap stops flapping). A request
+    also waits for one scheduler step in an engine with free slots: marking that skipped an 8-slot
+    replica running 5 for a 1-slot one already running its one (the heterogeneous-pool test, 2026-12-02).
+    A backend without figures (None) keeps its mark (its probes decide about dead ones). Pure."""
     now = set()
     for url, load in loads.items():
         was = url in marked
@@ -29,17 +31,19 @@ def saturated_now(loads: dict[str, EngineLoad | None], marked: set[str], max_wai
             now |= {url} if was else set()
         elif was and not (load.waiting == 0 and (load.kv_cache_usage is None or load.kv_cache_usage < resume_kv_usage)):
             now.add(url)
-        elif not was and is_saturated(load, max_waiting, max_kv_usage):
+        elif not was and is_saturated(load, max_waiting, max_kv_usage) and (
+                load.running >= (capacities or {}).get(url, 0) or load.waiting <= max_waiting):
             now.add(url)
     return now
 
 
-def next_saturated(pool: list[str], answered: set[str], loads: dict[str, EngineLoad | None], marked: set[str]) -> set[str]:
+def next_saturated(pool: list[str], answered: set[str], loads: dict[str, EngineLoad | None], marked: set[str],
+                   capacities: dict[str, int] | None = None) -> set[str]:
     """The marks after one round of the controller. Only backends whose last probe answered are judged
     (a dying one's stale figures decide nothing); the others keep their marks; backends gone from the
     pool are forgotten. Pure."""
     judged = [url for url in pool if url in answered]
-    now = saturated_now({url: loads.get(url) for url in judged}, marked & set(judged))
+    now = saturated_now({url: loads.get(url) for url in judged}, marked & set(judged), capacities)
     return now | ((marked & set(pool)) - set(judged))
 
 
@@ -54,6 +58,6 @@ class Rotation:
     def update(self, pool: list[str], answered: set[str], loads: dict[str, EngineLoad | None],
                suspect: set[str] = frozenset()) -> None:
         """suspect: backends whose probes answer too late (busy or frozen): marked, as if saturated."""
-        marked = next_saturated(pool, answered, loads, self.paused) | (suspect & set(pool))
+        marked = next_saturated(pool, answered, loads, self.paused, self.router.capacities()) | (suspect & set(pool))
         self.router.set_saturated(marked)  # one admin call, only when a mark changed
         self.paused = marked

@@ -196,6 +196,11 @@ class Router:
             self._desired = {spec.url: spec for spec in specs}
             self._put()
 
+    def capacities(self) -> dict[str, int]:
+        """Each desired backend's capacity (the requests its engine runs at once)."""
+        with self._lock:
+            return {url: spec.capacity for url, spec in self._desired.items()}
+
     def add(self, url: str, capacity: int | None = None) -> None:
         """Add a backend (or change its capacity). Call it only for an engine that already answered a real
         completion (engine.client.completion_probe); it must answer /health now."""
