@@ -128,6 +128,7 @@ def pytest_xdist_make_scheduler(config, log):
             self.workqueue.move_to_end(scope, last=False)
             super()._assign_work_unit(node)
 
+    config.option.loadscopereorder = False  # our order (GROUPS first), not xdist's biggest-file-first
     return ByGroup(config, log)
 
 
