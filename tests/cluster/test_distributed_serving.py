@@ -67,7 +67,7 @@ def test_tensor_parallel_across_two_nodes_matches_tp1(slurm_env, tmp_path):
     with deployed(config, "sb-tp2") as status:
         replica = status["replicas"][0]
         assert status["status"] == "ready" and replica["healthy"]
-        assert sorted(replica["nodes"]) == ["hsn1", "hsn2"]  # one vLLM process per node
+        assert sorted(replica["nodes"]) == slurm_env.node_names()[:2]  # one vLLM process per node
         assert [p["rank"] for p in replica["processes"]] == [0, 1]
         GREEDY["tp2"] = greedy_ids(replica["url"], os.environ["HPCSERVE_API_KEY"])
         assert GREEDY["tp2"] == transformers_greedy()
@@ -78,7 +78,7 @@ def test_pipeline_parallel_across_two_nodes_matches_tp1(slurm_env, tmp_path):
     config = write_config(tmp_path / "pp2.yaml", HERE / "sandbox-pp2.yaml", results_dir=str(tmp_path / "results"))
     with deployed(config, "sb-pp2") as status:
         replica = status["replicas"][0]
-        assert sorted(replica["nodes"]) == ["hsn1", "hsn2"]  # one stage per node
+        assert sorted(replica["nodes"]) == slurm_env.node_names()[:2]  # one stage per node
         assert greedy_ids(replica["url"], os.environ["HPCSERVE_API_KEY"]) == transformers_greedy()
 
 
@@ -110,6 +110,6 @@ def test_engine_that_fails_to_start_fails_up_with_its_own_error(slurm_env, tmp_p
     text = " ".join((done.stdout + done.stderr).split())
     assert done.returncode == 1, text
     assert "stage 'engine'" in text and "999999" in text, text  # vLLM's own words about the bad length
-    assert "engines/replica0-rank0-hsn1.log" in text  # the log to read
+    assert f"engines/replica0-rank0-{slurm_env.node_names()[0]}.log" in text  # the log to read
     assert "Traceback" not in text
     assert squeue_empty(os.environ)

@@ -99,8 +99,9 @@ def test_apptainer_profile_runs_driver_ray_and_engines_inside_the_container(slur
     drivers = [(host, argv) for host, argv in made if "hpcserve.deployment.driver" in argv]
     nodes = sorted((host, argv[argv.index("hpcserve.raycluster.node") + 1]) for host, argv in made
                    if "hpcserve.raycluster.node" in argv)
-    assert len(drivers) == 1 and drivers[0][0] == "hsn1"
-    assert nodes == [("hsn1", "head"), ("hsn2", "worker")]
+    first, second = slurm_env.node_names()[:2]
+    assert len(drivers) == 1 and drivers[0][0] == first
+    assert nodes == [(first, "head"), (second, "worker")]
     assert len(made) == 3  # nothing else was started, and nothing outside the container
     for _, argv in made:
         assert argv[:3] == ["exec", "--bind", str(results.resolve())] and argv[3] == str(image)

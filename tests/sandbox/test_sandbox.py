@@ -153,10 +153,11 @@ def test_down_leaves_nothing_behind(sandbox: Sandbox):
     assert not [p for p in [*pids, munged] if pid_alive(p)]
     assert not [ns for ns in namespaces.values() if pid_namespace_members(ns)]
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert not [line for line in netns.splitlines() if line.startswith(sandbox.prefix)]
+    ours = set(sandbox.host_names())  # by name: another sandbox (a second test worker's) may be running
+    assert not [line for line in netns.splitlines() if line.split()[0] in ours]
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
     names = [line.split(":")[1].strip().split("@")[0] for line in links.splitlines()]
-    assert not [n for n in names if n.startswith((f"v{sandbox.prefix}", sandbox.bridge))]
+    assert not [n for n in names if n in {f"v{h}" for h in ours} | {sandbox.bridge}]
     left = [p.info for p in psutil.process_iter(["pid", "cmdline", "status"])
             if p.info["status"] != psutil.STATUS_ZOMBIE and started_by_sandbox(sandbox, p.info["cmdline"])]
     assert not left
