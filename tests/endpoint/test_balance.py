@@ -204,6 +204,7 @@ def test_a_request_waiting_in_an_engine_with_free_slots_is_not_saturation():
     assert saturated_now({"big": big, "small": small}, set(), capacities) == {"small"}
     assert saturated_now({"big": EngineLoad(8, 1, 0.3)}, set(), capacities) == {"big"}  # every slot taken
     assert saturated_now({"big": EngineLoad(2, 0, 0.97)}, set(), capacities) == {"big"}  # KV cache full
+    assert saturated_now({"big": EngineLoad(2, 6, 0.97)}, set(), capacities) == {"big"}  # full: 2 run, 6 wait
     assert saturated_now({"x": big}, set(), capacities) == {"x"}  # capacity unknown: any queue counts
 
 

@@ -31,8 +31,7 @@ def saturated_now(loads: dict[str, EngineLoad | None], marked: set[str], capacit
             now |= {url} if was else set()
         elif was and not (load.waiting == 0 and (load.kv_cache_usage is None or load.kv_cache_usage < resume_kv_usage)):
             now.add(url)
-        elif not was and is_saturated(load, max_waiting, max_kv_usage) and (
-                load.running >= (capacities or {}).get(url, 0) or load.waiting <= max_waiting):
+        elif not was and is_saturated(load, max_waiting, max_kv_usage, (capacities or {}).get(url, 0)):
             now.add(url)
     return now
 

@@ -134,8 +134,10 @@ def is_drained(load: EngineLoad) -> bool:
     return load.in_flight == 0
 
 
-def is_saturated(load: EngineLoad, max_waiting: float = 0.0, max_kv_usage: float = 0.95) -> bool:
-    """Requests queue in the engine, or its KV cache is nearly full: more requests there only wait.
-    For the control plane (scale-up decisions, capacity estimates); the data plane balances in-flight
-    counts itself."""
-    return load.waiting > max_waiting or (load.kv_cache_usage is not None and load.kv_cache_usage >= max_kv_usage)
+def is_saturated(load: EngineLoad, max_waiting: float = 0.0, max_kv_usage: float = 0.95, slots: int = 0) -> bool:
+    """Requests queue in the engine with its slots taken (running >= slots, its --max-num-seqs when known),
+    or its KV cache is nearly full: more requests there only wait. A request also waits one scheduler
+    step in an engine with free slots: that is not saturation. For the control plane; the data plane
+    balances in-flight counts itself."""
+    kv_full = load.kv_cache_usage is not None and load.kv_cache_usage >= max_kv_usage
+    return kv_full or (load.waiting > max_waiting and load.running >= slots)
