@@ -5,8 +5,8 @@
 #   bash scripts/test.sh            everything (what CI runs)
 #   bash scripts/test.sh --fast     only what needs no engine and no sandbox, for the edit-test loop
 #   bash scripts/test.sh ARGS       pytest arguments, e.g. -x -k router
-# Two workers side by side (pytest-xdist; tests/conftest.py says what runs where);
-# HPCSERVE_TEST_WORKERS=0 runs everything in one process.
+# One process by default (what CI runs); HPCSERVE_TEST_WORKERS=2 runs two workers side by side
+# (pytest-xdist; tests/conftest.py says what runs where; docs/testing.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
@@ -18,4 +18,4 @@ fi
 if [ "$(id -u)" = 0 ] && [ ! -x /usr/bin/chromium ]; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null
 fi
-exec .venv/bin/python -m pytest -p no:cacheprovider -rs -n "${HPCSERVE_TEST_WORKERS:-2}" "$@"
+exec .venv/bin/python -m pytest -p no:cacheprovider -rs -n "${HPCSERVE_TEST_WORKERS:-0}" "$@"

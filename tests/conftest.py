@@ -58,7 +58,7 @@ def sandbox():
 
 
 # ---------------------------------------------------------------- side by side (pytest-xdist)
-# scripts/test.sh runs the suite on two workers. Each worker has a sandbox of its own (namespaces, bridge,
+# HPCSERVE_TEST_WORKERS=2 bash scripts/test.sh runs the suite on two workers (CI runs it in one process). Each worker has a sandbox of its own (namespaces, bridge,
 # Slurm, munge), so their jobs never meet; the first keeps the default one, whose names (hsn1, 198.18.0.11)
 # some tests spell out: those run on it (PINNED). Tests that share a deployment run on one worker (GROUPS),
 # the longest first, so that the two workers end together (durations: docs/testing.md).
@@ -120,19 +120,17 @@ def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
     class ByGroup(LoadScopeScheduling):
-        """xdist's loadscope with our groups, PINNED ones only on gw0, SOLO only while the other worker
-        has nothing to run (xdist's own loadgroup put tests of one xdist_group on two workers under
+        """xdist's loadscope with our groups, PINNED ones only on gw0, SOLO only once the other worker
+        has nothing left to run (xdist's own loadgroup put tests of one xdist_group on two workers under
         pytest 9.2)."""
 
         def _split_scope(self, nodeid: str) -> str:
             return group_of(nodeid)
 
         def _assign_work_unit(self, node) -> None:
-            running = {scope for work in self.assigned_work.values() for scope, tests in work.items()
-                       if not all(tests.values())}
-            others_busy = any(self._pending_of(work) for other, work in self.assigned_work.items() if other is not node)
-            if SOLO in running:
-                return  # it runs alone; its worker takes the rest afterwards
+            # A worker holds its last test until it gets another or the run ends (pytest needs the next
+            # item): one pending test is an idle worker, two or more a busy one (as xdist's tests_finished).
+            others_busy = any(self._pending_of(work) >= 2 for other, work in self.assigned_work.items() if other is not node)
             pinned_here = node.gateway.id == "gw0"
             scope = next((s for s in self.workqueue if (pinned_here or s not in PINNED)
                           and (s != SOLO or not others_busy)), None)
