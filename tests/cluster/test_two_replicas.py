@@ -111,6 +111,6 @@ def test_unequal_replicas_get_traffic_in_proportion_to_their_capacity(replicas, 
     assert served[big] + served[small] == 201  # bench's one warm-up request, then the 200
     print(f"het run {run}: in flight big {held[big]:.1f}, small {held[small]:.1f}; "
           f"finished big {served[big]:.0f}, small {served[small]:.0f}")  # the 10-run record in docs/testing.md
-    # Round robin: about 5 and 5. Here the small one holds its slot and about one waiting (2.26 measured;
-    # more while the big one is saturated with all 8 slots taken and requests waiting).
-    assert held[small] <= 3.0 and held[big] > held[small], (held, served)
+    # Round robin: about 5 and 5. Measured 2026-12-02 (10 runs): small 1.0-3.2, big 4.4-6.3 (more on the
+    # small one while the big one is saturated, all 8 slots taken and requests waiting); finished 2.5-6.7 : 1.
+    assert held[small] <= 3.5 and held[big] > held[small], (held, served)
