@@ -163,13 +163,16 @@ class Pool:
     # ------------------------------------------------------------ load-aware rotation
     def balance(self) -> None:
         """Each round, with the figures known."""
-        self.rotation.update(self.backends(), self.answering(), self.loads, self.suspect())
+        self._mark_saturated()
 
     def rotate(self) -> None:
         """Between rounds, every ROTATION_S: a probing step that waits a little for this step's reads,
         and the rotation updated with them. A slow replica then gets new requests about as fast as it
         finishes them (docs/endpoint.md)."""
         self.step(wait_for_reads_s=READ_WAIT_S)
+        self._mark_saturated()
+
+    def _mark_saturated(self) -> None:
         self.rotation.update(self.backends(), self.answering(), self.loads, self.suspect())
 
     def busy(self, url: str) -> bool:
