@@ -12,9 +12,11 @@ at 256 replicas, then the real pieces (stand-in farm, prober, router, controller
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -30,6 +32,7 @@ from hpcserve.core.paths import RunPaths
 from hpcserve.core.statuses import RunKind
 from hpcserve.deployment.runs import LocalRun
 from hpcserve.endpoint.decisions import reads_due
+from hpcserve.endpoint.pool import Pool
 from hpcserve.endpoint.probe import Prober
 from hpcserve.endpoint.router import Router
 from hpcserve.engine.metrics import (
@@ -264,7 +267,6 @@ def test_the_endpoint_over_32_standins_loses_10_percent_at_once_without_a_failed
 def test_a_backend_the_pool_did_not_join_itself_leaves_after_failed_probes_too(tmp_path):
     # An adopting controller takes over replicas that joined under its lost predecessor: they serve without
     # a join here, and their probes must count (a node lost after adoption left only when Slurm said so).
-    from hpcserve.endpoint.pool import Pool
     from hpcserve.endpoint.probe import Kind, Probed, Result
 
     router = Router("127.0.0.1", 0, None, tmp_path / "unused.log", admin_socket=tmp_path / "a.sock")
@@ -277,4 +279,29 @@ def test_a_backend_the_pool_did_not_join_itself_leaves_after_failed_probes_too(t
         assert "http://gone:2" not in pool.probes  # a backend that left stays forgotten
     finally:
         pool.prober.close()
+        router.close()
+
+
+def test_a_request_the_data_plane_has_sent_keeps_its_replica_busy_before_the_engine_counts_it(farm, tmp_path):
+    # A drain stops a member once nothing runs on it. The engine's /metrics shows a request only once its
+    # server has taken it: stopping on that alone cut a request sent just before the drain (handover test).
+    client, urls = farm
+    url = urls[0]
+    client.act("freeze", [int(url.rsplit(":", 1)[1])])  # takes the request, counts nothing, /metrics silent
+    router = Router("127.0.0.1", free_loopback_port(), None, tmp_path / "router.log")
+    pool = Pool(router, None, "stub", 1.0, lambda: [url])
+    try:
+        router.start([url])
+        def send() -> None:
+            with contextlib.suppress(httpx.HTTPError):  # the frozen engine never answers
+                httpx.post(f"{router.url}/v1/completions", json={"model": "stub", "prompt": "x"}, timeout=8)
+        sender = threading.Thread(target=send)
+        sender.start()
+        wait_until(lambda: router.in_flight(url) == 1, 10, "the request in the data plane")
+        assert router.engine_load(url, timeout_s=0.5) is None  # the engine says nothing about it
+        assert pool.busy(url)
+        sender.join(15)
+    finally:
+        pool.close()
+        router.stop()
         router.close()

@@ -235,7 +235,7 @@ class Router:
         self.apply(remove=[url])
         deadline = time.monotonic() + drain_s
         while True:
-            here = in_flight_to(self._admin_call("GET", "/backends").json(), url)
+            here = self.in_flight(url)
             if drain_s <= 0:
                 return here == 0
             if here == 0:
@@ -245,6 +245,11 @@ class Router:
             if time.monotonic() > deadline:
                 return False
             time.sleep(POLL_S * 2)
+
+    def in_flight(self, url: str) -> int:
+        """Requests the data plane runs to url, removed or not: counted from the moment it picks the
+        backend, before the engine's /metrics shows them."""
+        return in_flight_to(self._admin_call("GET", "/backends").json(), url.rstrip("/"))
 
     def set_saturated(self, urls: Iterable[str]) -> None:
         """The backends whose engine queues requests (or whose KV cache is full) now: the data plane skips
