@@ -137,7 +137,7 @@ def test_handover_under_load_with_a_busy_partition_fails_no_request(slurm_env, t
     env = dict(os.environ)
     name = f"sb-hand{replicas}"
     config = write_config(tmp_path / "hand.yaml", HERE / "sandbox-replicas.yaml", name=name,
-                          results_dir=str(tmp_path / "results"), serve={"port": 8900, "hold_s": 180},
+                          results_dir=str(tmp_path / "results"), serve={"port": 8900, "hold_s": 180, "handover": True},
                           parallelism={"tensor": 1, "pipeline": 1, "replicas": replicas},
                           cluster={"scheduler": "slurm", "nodes": replicas, "gpus_per_node": 0, "cpus_per_node": 1,
                                    "time": str(WALLTIME_MIN), "sbatch_extra": ["--exclusive"]})

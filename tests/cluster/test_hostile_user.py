@@ -11,8 +11,7 @@ Ray's sockets, and reads every process's command line and environment. Every att
 deployment keeps serving its owner. After `down` no copy of the key is left.
 
 The attempts run as that user in tests/cluster/hostile_attempts.py (the system's python3, standard library
-only). Rows that need the new data plane (the router's admin API on an owner-only Unix socket, its JSON
-401) are judged by the second test, skipped with the reason while the vllm-router data plane is in place.
+only).
 HPCSERVE_HOSTILE_REPORT=FILE writes the table of attempts (docs/security.md's is from it).
 """
 
@@ -32,7 +31,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from helpers import REPO, run_cli, write_config
+from helpers import run_cli, write_config
 from test_distributed_serving import status_of
 from test_slurm_ray import squeue_empty
 
@@ -41,14 +40,6 @@ from hpcserve.core.runstate import RunState
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 HERE = Path(__file__).parent
 NAME = "sb-hostile"
-ROUTER_MAIN = REPO / "src" / "hpcserve" / "endpoint" / "router_main.py"
-# The data plane of branch `dataplane` replaces vllm-router: until it is merged the router's admin API and
-# its 401 are vllm-router's, and their rows wait for it.
-LEGACY_DATA_PLANE = ROUTER_MAIN.exists() and "vllm_router" in ROUTER_MAIN.read_text()
-DATA_PLANE_PENDING = ("the new data plane (branch `dataplane`) is not merged: this will check that the router's "
-                      "admin API is reachable only on an owner-only Unix socket (no admin route on its TCP port, "
-                      "its socket refuses another user), that no other router port answers a stranger (its "
-                      "metrics included), and that its 401 is OpenAI JSON naming hpcserve")
 SECRET_NAMES = ("api_key", ".router_key", "ray_auth_token")
 
 
@@ -59,10 +50,6 @@ class Row:
     attack: str
     got: str
     ok: bool
-    pending: bool = False  # judged once the new data plane is merged
-
-
-ROUTER_ROWS: list[Row] = []  # filled by the first test, judged by the second
 
 
 @dataclass
@@ -152,18 +139,7 @@ def test_a_second_user_gets_nothing(slurm_env, stranger, arena, monkeypatch, tmp
                     down.returncode == 0 and not leftover_secrets(results)))
     assert squeue_empty(os.environ)
     report(rows)
-    ROUTER_ROWS.extend(r for r in rows if r.pending)
-    failed = [r for r in rows if not r.ok and not r.pending]
-    assert not failed, "\n".join(f"{r.attack}: {r.got}" for r in failed)
-
-
-def test_router_admin_and_errors_refuse_a_stranger():
-    """The rows the new data plane answers (its admin socket, its metrics, its JSON 401)."""
-    if not ROUTER_ROWS:
-        pytest.skip("needs test_a_second_user_gets_nothing (same module) to have attacked a deployment")
-    if LEGACY_DATA_PLANE:
-        pytest.skip(DATA_PLANE_PENDING)
-    failed = [r for r in ROUTER_ROWS if not r.ok]
+    failed = [r for r in rows if not r.ok]
     assert not failed, "\n".join(f"{r.attack}: {r.got}" for r in failed)
 
 
@@ -371,19 +347,19 @@ def judge_router(report: dict, target: Target) -> list[Row]:
                 all(refused(v) for v in calls.values()))]
     json_401 = guard_refusal(calls["router|completion|no key"])
     rows.append(Row("router: its 401 is OpenAI JSON naming hpcserve", "yes" if json_401 else
-                    f"body {calls['router|completion|no key'].get('body', '')[:80]!r}", json_401, pending=True))
+                    f"body {calls['router|completion|no key'].get('body', '')[:80]!r}", json_401))
     admin = {k: v for k, v in http.items() if k.startswith("admin|")}
     rows.append(Row("router: admin routes on its TCP port (add/remove a worker, list them, metrics)",
                     ", ".join(f"{k.split('|', 1)[1]}: {v.get('status')}" for k, v in admin.items()),
-                    all(refused(v) or v.get("status") == 404 for v in admin.values()), pending=True))
+                    all(refused(v) or v.get("status") == 404 for v in admin.values())))
     ports = {k: v for k, v in http.items() if k.startswith("router-port|")}
     rows.append(Row("router: its other TCP ports (metrics, key validator)",
                     ", ".join(f"{k.split('|', 1)[1]}: {v.get('status') or v.get('error', '')[:40]}"
                               for k, v in ports.items()) or "none",
-                    all(refused(v) or v.get("status") == 404 for v in ports.values()), pending=True))
+                    all(refused(v) or v.get("status") == 404 for v in ports.values())))
     sockets = report["connect"]
     rows.append(Row("router: its Unix sockets (the admin socket)", json.dumps(sockets) if sockets else "none",
-                    all(v != "connected" for v in sockets.values()), pending=True))
+                    all(v != "connected" for v in sockets.values())))
     return rows
 
 
@@ -462,7 +438,7 @@ def leftover_secrets(results: Path) -> list[str]:
 
 
 def report(rows: list[Row]) -> None:
-    table = "\n".join(f"{'ok  ' if r.ok else ('WAIT' if r.pending else 'FAIL')} {r.attack}: {r.got[:300]}"
+    table = "\n".join(f"{'ok  ' if r.ok else 'FAIL'} {r.attack}: {r.got[:300]}"
                       for r in rows)
     print("\n" + table)
     if os.environ.get("HPCSERVE_HOSTILE_REPORT"):

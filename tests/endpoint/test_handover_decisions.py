@@ -226,9 +226,9 @@ class Endpoint:
                 self.empty_s += 1.0
 
 
-def config(time: str, handover_s: float | None = None) -> DeploymentConfig:
+def config(time: str, handover_s: float | None = None, handover: bool = True) -> DeploymentConfig:
     return DeploymentConfig(name="t", model={"path": "/m"}, cluster={"scheduler": "slurm", "time": time},
-                            serve={"handover_s": handover_s})
+                            serve={"handover_s": handover_s, "handover": handover})
 
 
 def actions(world: Endpoint) -> list[str]:
@@ -338,3 +338,16 @@ def test_no_handover_without_a_time_limit_or_outside_slurm():
     local = DeploymentConfig(name="t", model={"path": "/m"})
     Handover(local, clock=lambda: world.now).step(world)
     assert world.decisions == [] and len(world.members) == 1
+
+
+def test_with_handover_off_a_job_is_drained_at_its_end_and_replaced_then_without_asking_slurm():
+    world = Endpoint(walltime_s=1200, startup=lambda i: 100.0)
+    policy = Handover(config("20", handover=False), clock=lambda: world.now)
+    world.start_initial(1, 100.0)
+    end = world.jobs["m0"].ends
+    world.run_until(end - 60, policy)
+    assert len(world.members) == 1 and world.slurm_asked == 0  # no successor, no sbatch --test-only
+    world.run_until(end + 200, policy)
+    assert world.cut == []  # drained before Slurm's TERM
+    assert "drain at job end" in actions(world) and "walltime too short" not in actions(world)
+    assert world.members[0].successor == "m1" and world.member("m1").status is MemberStatus.SERVING

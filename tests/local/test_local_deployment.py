@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 from helpers import alive, run_cli
 
@@ -114,6 +115,16 @@ def test_bench_of_a_bare_url_behind_a_key_names_the_option(deployment):
     assert "HTTP 401" in message and "--api-key-env" in message and "Traceback" not in message
     passed = run_cli("bench", deployment["url"], *BENCH, "--api-key-env", "T_KEY", env={"T_KEY": deployment["key"]})
     assert passed.returncode == 0, passed.stdout + passed.stderr
+
+
+def test_a_one_worker_replica_runs_its_worker_in_the_engine_core(deployment):
+    # vLLM on CPU turns the uni executor into mp (a third process, one more import of torch and vLLM at
+    # every start) unless hpcserve turns V1 multiprocessing off: the API server and its engine core only.
+    member = deployment["status"]["members"][0]
+    state = json.loads((Path(member["run_dir"]) / "state.json").read_text())
+    server = psutil.Process(state["replicas"][0]["processes"][0]["pid"])
+    vllm = [p.name() for p in server.children(recursive=True) if p.name().startswith("VLLM::")]
+    assert len(vllm) == 1 and vllm[0].startswith("VLLM::EngineCor"), vllm  # no VLLM::Worker
 
 
 def test_api_key_not_in_process_list(deployment):

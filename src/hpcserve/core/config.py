@@ -138,6 +138,10 @@ class ServeSpec(Strict):
                                              "planner scores layouts at this load, not at their capacity")
     router: bool = Field(True, description="one endpoint on serve.port in front of all replicas; false: each "
                          "replica is its own endpoint on serve.port + index")
+    handover: bool = Field(True, description="Slurm: launch each job's successor ahead of its time limit, so that "
+                           "no replica is lost to a walltime (docs/endpoint.md); false: a job is drained at its "
+                           "limit and replaced then, a gap in capacity (for jobs far longer than the deployment "
+                           "will serve)")
     handover_s: float | None = Field(None, gt=0, description="Slurm: submit a job's successor at least this long "
                                      "before its time limit; the lead is timed from Slurm's queue estimate and the "
                                      "measured startups (docs/endpoint.md)")

@@ -62,6 +62,7 @@ class Handover:
 
     def __init__(self, cfg: DeploymentConfig, clock: Callable[[], float] = time.time):
         self.on_slurm = cfg.cluster.scheduler == "slurm"
+        self.ahead = cfg.serve.handover  # off: no successor before a job's end, one at its end (orphans)
         self.configured_lead_s = cfg.serve.handover_s
         self.walltime_s = time_limit_seconds(cfg.cluster.time)
         self.clock = clock
@@ -182,7 +183,7 @@ class Handover:
     def launch_due(self, ctl: ControlPlane, now: float) -> None:
         orphans = [m for m in ctl.members if m.name in self.handing and not m.successor
                    and m.status is not MemberStatus.SERVING]
-        endings = self.endings(ctl, now)
+        endings = self.endings(ctl, now) if self.ahead else []
         in_handover = [m.name for m in ctl.members
                        if (s := successor_of(ctl, m)) and s.status is MemberStatus.LAUNCHING]
         calls = [(ctl.member(c.member), c.reason, c.left_s) for c in handovers_due(endings, in_handover, now)]

@@ -295,9 +295,10 @@ class Sandbox(SandboxLayout):
         self._wait_until_registered(name, timeout_s)
 
     def _wait_until_registered(self, name: str, timeout_s: float) -> None:
-        """Wait until this boot's slurmd has registered and the node is idle. The state alone is not
-        enough: right after a crash slurmctld still reports the node idle (it notices only after
-        SlurmdTimeout), so compare the SlurmdStartTime it knows with the new slurmd's start."""
+        """Wait until this boot's slurmd has registered and the node takes jobs (idle, or already given
+        one: a pending job starts on it the moment it registers). The state alone is not enough: right
+        after a crash slurmctld still reports the node idle (it notices only after SlurmdTimeout), so
+        compare the SlurmdStartTime it knows with the new slurmd's start."""
         def registered() -> bool:
             self._fail_if_host_died([self.controller, name], stage="sandbox start-node")
             daemon = self._daemon_pid(name)
@@ -311,11 +312,11 @@ class Sandbox(SandboxLayout):
                        env=self._client_env()).stdout
             known = re.search(r"SlurmdStartTime=(\d{4}-\S+)", info)
             return bool(known) and datetime.fromisoformat(known.group(1)).timestamp() >= \
-                daemon_start and self.node_state(name) == "idle"
+                daemon_start and self.node_state(name) in HEALTHY_STATES
 
         if not wait_for(registered, timeout_s):
             log = self._daemon_log(name)
-            raise StageError("sandbox start-node", f"{name} did not register as idle within "
+            raise StageError("sandbox start-node", f"{name} did not register and take jobs within "
                              f"{timeout_s:.0f} s (state {self.node_state(name)}):\n{tail(log)}",
                              str(log))
 
