@@ -122,7 +122,7 @@ def test_endpoint_scales_with_the_queue_and_drains_when_idle(slurm_env, tmp_path
             burst.communicate(timeout=60)
         assert "waiting per replica" in up["reason"]
         assert "launch scale-up" in [d["action"] for d in decisions("sb-scale")]
-        steady = start_bench("sb-scale", tmp_path / "steady.json", "--request-rate", "0.5", "--num-prompts", "80")
+        steady = start_bench("sb-scale", tmp_path / "steady.json", "--request-rate", "0.5", "--num-prompts", "60")
         wait_decision("sb-scale", "join", up["time"], timeout=480)
         assert len(serving_members("sb-scale")) == 2
         requests = finish_bench(steady, tmp_path / "steady.json")
