@@ -28,6 +28,9 @@
 #                             POLICY round_robin | cache_aware | consistent_hash | power_of_two | random
 #                             | hps:prefix | hps:least_loaded | hps:round_robin (hpcserve's own data plane,
 #                             hpcserve.endpoint.dataplane from src/, instead of vllm-router on port 8000)
+#                             WORKLOAD@R (pre, cal, rnd, vb; e.g. pre@16:hps:prefix): open loop, Poisson arrivals
+#                             at R requests/s (the client's --request-rate; no in-flight cap: I20_OPEN_CAP,
+#                             default 4096) instead of the closed loop at the workload's concurrency
 #   baseline [--budget S]     `hpcserve baseline` (issue 20 part 4) of a one-node TP=1 deployment of the model
 #                             folder (dummy weights), hpcserve installed --no-deps from $I20_SNAP (a copy of the
 #                             committed pyproject.toml + src); its folder (baseline.md, JSON, plots) under $OUT
@@ -294,7 +297,8 @@ ensure_model() { # config + tokenizer only (dummy weights): what routing and bas
 replica() { # IDX PORT
   VLLM_SERVER_DEV_MODE=1 VLLM_PORT=$((30000 + 1000 * $1)) VLLM_DP_MASTER_PORT=$((40000 + 1000 * $1)) \
     VLLM_CACHE_ROOT=$VC TRITON_CACHE_DIR=$VC/triton-pre TORCHINDUCTOR_CACHE_DIR=$VC/inductor-pre \
-    start_bg "replica$1" "$RAW/replica$1.log" $VLLM serve "$MODEL" $COMMON --port "$2" --load-format dummy $REPLICA_MEM
+    start_bg "replica$1" "$RAW/replica$1.log" $VLLM serve "$MODEL" $COMMON --port "$2" --load-format dummy $REPLICA_MEM \
+      ${I20_REPLICA_EXTRA:-}   # e.g. --enable-prompt-tokens-details: per-request cached_tokens for the client
 }
 SRC=${I20_SRC:-$(cd "$HERE/../.." && pwd)/src}   # hpcserve's own data plane (hps:POLICY): checkout or snapshot
 HPS_SOCK=$I20/hps/admin.sock
@@ -366,9 +370,11 @@ phase_routing() {
   # --max-model-len 2048: pre 1900+100+16, cal/vb 1850+100+64, mt at most 5*(250+48)+250+48 = 1788.
   local P=$(( (13 * K) / (10 * 1900) )) S=$(( (12 * K) / (10 * 1788) ))
   log "KV cache per replica: $K tokens -> pre/cal: $P prefixes of 1900 tokens ($(( P * 1900 )) tokens), mt: $S sessions"
-  local i=0 spec wl pol pn cargs est seed rp rrc
+  local i=0 spec wl pol pn cargs est seed rp rrc rate tag
   for spec in "${runs[@]}"; do
-    i=$((i + 1)); wl=${spec%%:*}; pol=${spec#*:}; pn=${pol//:/-}; seed=$((1000 + i))
+    i=$((i + 1)); wl=${spec%%:*}; pol=${spec#*:}; pn=${pol//:/-}; seed=$((1000 + i)); rate=""
+    case $wl in *@*) rate=${wl#*@}; wl=${wl%%@*};; esac
+    tag=$wl; [ -n "$rate" ] && tag=${wl}_r$rate
     case $wl in
       pre) est=60; cargs=(${I20_PRE_ARGS:---mode prefix --vocab 10000 --num-prefixes $P --prefix-len 1900 --suffix-len 100 --output-len 16 --num-requests $((4 * P)) --concurrency 128});;
       cal) est=75; cargs=(${I20_CAL_ARGS:---mode prefix --vocab 10000 --num-prefixes $P --prefix-len 1850 --suffix-len 100 --output-len 64 --num-requests $((4 * P)) --concurrency 32});;
@@ -377,6 +383,12 @@ phase_routing() {
       mt) est=75; cargs=(${I20_MT_ARGS:---mode multiturn --sessions $S --turns 6 --user-len 250 --output-len 48 --concurrency 64});;
       *) log "unknown workload $wl"; continue;;
     esac
+    if [ -n "$rate" ]; then # open loop: the run lasts about (requests / rate) whatever the policy
+      [ $wl = mt ] && { log "$spec: no request rate for mt"; continue; }
+      local nreq=$((4 * P)); [ $wl = rnd ] && nreq=800
+      est=$($PY -c "print(int($nreq / float('$rate')) + 25)") || { log "$spec: bad rate"; continue; }
+      [ $wl = vb ] || cargs+=(--request-rate "$rate" --concurrency "${I20_OPEN_CAP:-4096}")
+    fi
     if [ "$(left)" -lt $est ]; then log "$spec skipped: $(left) s left"; rec phase=routing workload=$wl policy=$pol ok=false skipped=true; continue; fi
     if [ "${pol%%:*}" = hps ]; then
       if [ $HPS_OK != 1 ]; then log "$spec skipped: no data plane"; rec phase=routing workload=$wl policy=$pol ok=false skipped=true; continue; fi
@@ -398,13 +410,13 @@ phase_routing() {
       timeout $tl vllm bench serve --backend vllm --base-url http://127.0.0.1:8000 --endpoint /v1/completions \
         --model m --tokenizer "$MODEL" --dataset-name prefix_repetition --prefix-repetition-num-prefixes $P \
         --prefix-repetition-prefix-len 1850 --prefix-repetition-suffix-len 100 --prefix-repetition-output-len 64 \
-        --num-prompts $((4 * P)) --max-concurrency 32 --ignore-eos --seed $seed --num-warmups 0 \
+        --num-prompts $((4 * P)) --max-concurrency 32 --ignore-eos --seed $seed --num-warmups 0 ${rate:+--request-rate $rate --max-concurrency ${I20_OPEN_CAP:-4096}} \
         --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --save-result --result-dir "$RAW" \
         --result-filename "vb_${i}_$pn.json" > "$RAW/client_${i}.err" 2>&1
       cj=$($PY "$HERE/i20_util.py" vbsum "$RAW/vb_${i}_$pn.json")
     else
       cj=$(timeout $tl $PY "$HERE/i20_prefix_client.py" --url http://127.0.0.1:8000 --seed $seed \
-        --session-header --out "$RAW/client_${i}_${wl}_$pn.json" "${cargs[@]}" 2> "$RAW/client_${i}.err" | tail -1)
+        --session-header --out "$RAW/client_${i}_${tag}_$pn.json" "${cargs[@]}" 2> "$RAW/client_${i}.err" | tail -1)
     fi
     local rmj
     if [ "${pol%%:*}" = hps ]; then rmj=$(hps_metrics $i)
@@ -414,9 +426,9 @@ phase_routing() {
     $PY "$HERE/i20_util.py" metrics http://127.0.0.1:8002 "$RAW/m${i}_r2_after.json" >/dev/null
     local md; md=$($PY "$HERE/i20_util.py" mdiff "$RAW/m${i}_r1_before.json" "$RAW/m${i}_r1_after.json" "$RAW/m${i}_r2_before.json" "$RAW/m${i}_r2_after.json")
     [ -n "$cj" ] || { cj='{}'; log "client failed:"; tail -5 "$RAW/client_${i}.err" | tee -a "$SUM"; }
-    log "$wl/$pol seed $seed (reset: $r1 $r2)"; log "  client: $cj"; log "  metrics: $md"; log "  router: $rmj"
+    log "$wl/$pol${rate:+ at $rate req/s} seed $seed (reset: $r1 $r2)"; log "  client: $cj"; log "  metrics: $md"; log "  router: $rmj"
     echo "$cj" | grep -q '"failed": 0,' || log "  WARNING: $wl/$pol had failed requests (or no client summary)"
-    rec phase=routing workload=$wl policy=$pol seed=$seed ok=true "client=$cj" "metrics=$md" "router=$rmj" kv_tokens=$K \
+    rec phase=routing workload=$wl policy=$pol seed=$seed rate=${rate:-closed} ok=true "client=$cj" "metrics=$md" "router=$rmj" kv_tokens=$K \
         "sizes={\"P\":$P,\"S\":$S}" run=$i
     stop_tree $rp; rm -f "$I20/pid.router"
   done

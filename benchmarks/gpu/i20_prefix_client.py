@@ -2,6 +2,7 @@
 
 usage: i20_prefix_client.py --url URL --out OUT.json --seed S [--model m] [--concurrency C] [--session-header]
          --mode prefix    --num-prefixes P --prefix-len L --suffix-len X --output-len O --num-requests N
+                          [--request-rate R]
          --mode multiturn --sessions S --turns T --user-len U --output-len O
 
 Why not `vllm bench serve --dataset-name prefix_repetition`: it sends every request with its own
@@ -16,6 +17,11 @@ Prompts are strings of the i20_model.py tokenizer's words ('w123 w456 ...', one 
 token lengths are exact and a shared prefix is a shared string prefix (what cache_aware matches on).
 - prefix: P random prefixes of L tokens; N requests, N/P per prefix, each prefix + its own X-token
   suffix, in a seeded random order, at most C in flight, O output tokens each (ignore_eos).
+  --request-rate R (> 0): open loop instead, the N requests sent at Poisson arrival times of mean rate R
+  per second (exponential gaps from their own seeded generator: the same schedule for every policy at one
+  seed), whatever is in flight; C still caps what is in flight (give a large C: a cap that binds turns it
+  back into a closed loop, and the summary's max_in_flight shows whether it did). TTFT counts from the
+  request's scheduled arrival, so a client that falls behind (send_lag) is charged, not hidden.
 - multiturn: S conversations of T turns; turn k sends the whole history (earlier prompts and answers)
   plus U new tokens and waits for the answer (O tokens) before the next turn; C conversations at a time.
 A few short unrelated warm-up requests go first (not timed, no shared prefix).
@@ -46,11 +52,12 @@ def pct(values: list[float], q: float) -> float | None:
     return v[min(len(v) - 1, round(q / 100 * (len(v) - 1)))]
 
 
-async def complete(session: aiohttp.ClientSession, a, prompt: str, key: str | None) -> dict:
+async def complete(session: aiohttp.ClientSession, a, prompt: str, key: str | None,
+                   t0: float | None = None) -> dict:
     body = {"model": a.model, "prompt": prompt, "max_tokens": a.output_len, "ignore_eos": True,
             "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
     headers = {"x-session-id": key} if (key is not None and a.session_header) else {}
-    t0 = time.perf_counter()
+    t0 = time.perf_counter() if t0 is None else t0
     ttft, text, usage, chunks, err = None, [], None, 0, None
     try:
         async with session.post(a.url + "/v1/completions", json=body, headers=headers) as r:
@@ -77,7 +84,9 @@ async def complete(session: aiohttp.ClientSession, a, prompt: str, key: str | No
     e2e = time.perf_counter() - t0
     out = {"ok": err is None and ttft is not None, "ttft": ttft, "e2e": e2e, "error": err, "chunks": chunks,
            "prompt_tokens": (usage or {}).get("prompt_tokens"),
-           "completion_tokens": (usage or {}).get("completion_tokens", chunks), "text": "".join(text)}
+           "completion_tokens": (usage or {}).get("completion_tokens", chunks), "text": "".join(text),
+           # vLLM fills this only with --enable-prompt-tokens-details on the server
+           "cached_tokens": ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")}
     return out
 
 
@@ -97,14 +106,37 @@ async def run_prefix(session, a, records: list[dict]) -> None:
             for _ in range(per)]
     rng.shuffle(jobs)
     sem = asyncio.Semaphore(a.concurrency)
+    arrivals: list[float] = []
+    if a.request_rate > 0:  # Poisson: exponential gaps, the first request at 0
+        arng, t = random.Random(a.seed + 7_777_777), 0.0
+        for _ in jobs:
+            arrivals.append(t)
+            t += arng.expovariate(a.request_rate)
+    start = time.perf_counter()
+    in_flight = [0, 0]  # now, most
 
     async def one(i: int, p: int, prompt: str) -> None:
+        sched = None
+        if arrivals:
+            await asyncio.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
+            sched = start + arrivals[i]
         async with sem:
-            r = await complete(session, a, prompt, f"p{p}")
+            lag = (time.perf_counter() - sched) if sched is not None else None
+            in_flight[0] += 1
+            in_flight[1] = max(in_flight[1], in_flight[0])
+            try:
+                r = await complete(session, a, prompt, f"p{p}", t0=sched)
+            finally:
+                in_flight[0] -= 1
             r.pop("text")
-            records.append({"i": i, "group": p, "turn": 0, **r})
+            rec = {"i": i, "group": p, "turn": 0, **r}
+            if sched is not None:
+                rec.update(arrival=arrivals[i], send_lag=lag)
+            records.append(rec)
 
     await asyncio.gather(*(one(i, p, prompt) for i, (p, prompt) in enumerate(jobs)))
+    a.max_in_flight = in_flight[1]
+    a.arrival_span_s = round(arrivals[-1], 2) if arrivals else None
 
 
 async def run_multiturn(session, a, records: list[dict]) -> None:
@@ -149,6 +181,21 @@ def summarize(records: list[dict], duration: float, a) -> dict:
          "e2e_p50_ms": round(pct(e2e, 50), 1) if e2e else None, "e2e_p99_ms": round(pct(e2e, 99), 1) if e2e else None,
          "tpot_mean_ms": round(statistics.mean(tpot), 2) if tpot else None,
          "first_errors": [r["error"] for r in records if not r["ok"]][:3]}
+    cached = [r for r in ok if r.get("cached_tokens") is not None]
+    if cached:  # per request: a hit = most of its prompt came from the prefix cache
+        hit = [r["ttft"] * 1e3 for r in cached if r["cached_tokens"] >= 0.5 * (r["prompt_tokens"] or 1)]
+        miss = [r["ttft"] * 1e3 for r in cached if r["cached_tokens"] < 0.5 * (r["prompt_tokens"] or 1)]
+        s["hit_request_fraction"] = round(len(hit) / len(cached), 4)
+        s["ttft_p50_ms_hits"] = round(pct(hit, 50), 1) if hit else None
+        s["ttft_p50_ms_misses"] = round(pct(miss, 50), 1) if miss else None
+    if a.mode == "prefix":
+        s["request_rate"] = a.request_rate or None  # offered (None: closed loop at --concurrency)
+        s["max_in_flight"] = getattr(a, "max_in_flight", None)
+        if a.request_rate > 0:
+            lag = [r["send_lag"] * 1e3 for r in records if r.get("send_lag") is not None]
+            s["arrival_span_s"] = getattr(a, "arrival_span_s", None)
+            s["offered_req_s"] = round((len(records) - 1) / s["arrival_span_s"], 3) if s["arrival_span_s"] else None
+            s["send_lag_p99_ms"] = round(pct(lag, 99), 1) if lag else None
     if a.mode == "multiturn":
         for t in sorted({r["turn"] for r in ok}):
             v = [r["ttft"] * 1e3 for r in ok if r["turn"] == t]
@@ -194,10 +241,15 @@ def main() -> None:
     ap.add_argument("--prefix-len", type=int, default=1900)
     ap.add_argument("--suffix-len", type=int, default=100)
     ap.add_argument("--num-requests", type=int, default=800)
+    ap.add_argument("--request-rate", type=float, default=0.0,
+                    help="prefix mode: open loop, Poisson arrivals at this mean rate (req/s); 0 = closed loop")
     ap.add_argument("--sessions", type=int, default=200)
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--user-len", type=int, default=250)
-    asyncio.run(main_async(ap.parse_args()))
+    a = ap.parse_args()
+    if a.request_rate > 0 and a.mode != "prefix":
+        ap.error("--request-rate applies to --mode prefix only")
+    asyncio.run(main_async(a))
 
 
 if __name__ == "__main__":

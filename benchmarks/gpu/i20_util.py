@@ -201,12 +201,15 @@ def table(path: str) -> None:
                   f"{ls.get('compile_cache')} | {ls.get('compile_total_s')} | {ls.get('init_engine_s')}")
     routing = [r for r in rows if r.get("phase") == "routing" and r.get("workload")]
     if routing:
-        print("routing   workload/policy | hit rate | ttft p50/p90 ms | req/s | out tok/s | per-replica requests | router prefix decisions")
+        print("routing   workload/policy [rate] | hit rate | ttft p50/p90/p99 ms | req/s | out tok/s | failed | max in flight"
+              " | per-replica requests | router prefix decisions")
         for r in routing:
             s, m = r.get("client", {}) or {}, r.get("metrics", {}) or {}
             split = [x.get("request_success") for x in m.get("replicas", [])]
-            print(f"  {r.get('workload')}/{r.get('policy')} | {m.get('hit_rate')} | {s.get('ttft_p50_ms')}/"
-                  f"{s.get('ttft_p90_ms')} | {s.get('req_s')} | {s.get('output_tok_s')} | {split} | "
+            rate = f" @{r['rate']}" if r.get("rate") not in (None, "closed") else ""
+            print(f"  {r.get('workload')}/{r.get('policy')}{rate} | {m.get('hit_rate')} | {s.get('ttft_p50_ms')}/"
+                  f"{s.get('ttft_p90_ms')}/{s.get('ttft_p99_ms')} | {s.get('req_s')} | {s.get('output_tok_s')} | "
+                  f"{s.get('failed')} | {s.get('max_in_flight')} | {split} | "
                   f"{(r.get('router') or {}).get('prefix_decisions')}")
 
 
