@@ -280,9 +280,10 @@ class DeploymentConfig(Strict):
         return "ray" if self.cluster.gpus_per_node > 0 else "mp"
 
     def executor_for(self, workers: int) -> str:
-        """A replica of one worker needs no worker processes: vLLM's uni executor runs it in the engine's
-        own process (one process fewer to start: 50.6 s against 65.3 s to the first completion for the tiny
-        model on CPU, docs/testing.md)."""
+        """A replica of one worker needs no worker processes: vLLM's uni executor runs it in the engine
+        core's own process (one process fewer to start: 17-22 s against 27-31 s to the first completion
+        for the tiny model on CPU, docs/testing.md; on CPU with VLLM_ENABLE_V1_MULTIPROCESSING=0, set by
+        deployment.replicas)."""
         if self.engine.executor == "auto" and workers == 1:
             return "uni"
         return self.executor

@@ -1,0 +1,85 @@
+"""Time to the first completion of one vLLM (CPU) engine of the builtin tiny model, by how its one worker runs:
+
+    flock /tmp/hpcserve-heavy.lock .venv/bin/python benchmarks/engine_start.py --rounds 2 [--bind auto]
+
+  mp   vLLM on CPU's default for `--distributed-executor-backend uni`: it turns uni into mp, so the worker
+       is a process of its own (API server, engine core, worker: three imports of torch and vLLM)
+  uni  VLLM_ENABLE_V1_MULTIPROCESSING=0, as hpcserve starts a one-worker replica on CPU
+       (deployment/replicas.py): the worker runs in the engine core's process (two processes)
+
+Alternating, fresh processes each time, eager mode (the sandbox tests' setting). Prints seconds to the first
+completion and the mean time of 20 short completions after it (the serving speed must not change).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from hpcserve.core.net import free_loopback_port
+from hpcserve.models.tiny import tiny_model_path
+
+MODES = {"mp": {}, "uni": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}
+
+
+def start_once(model: str, extra_env: dict[str, str], bind: str, log: Path) -> tuple[float, float]:
+    port = free_loopback_port()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": bind, **extra_env}
+    if bind == "nobind":
+        env["OMP_NUM_THREADS"] = "1"
+    argv = [sys.executable, "-m", "hpcserve.engine.vllm_cli", "serve", model, "--served-model-name", "tiny",
+            "--port", str(port), "--distributed-executor-backend", "uni", "--dtype", "float32",
+            "--max-model-len", "512", "--enforce-eager"]
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    started = time.monotonic()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"the engine exited with {proc.returncode}: see {log}")
+            try:
+                if httpx.post(url, json={"model": "tiny", "prompt": "Hello", "max_tokens": 8}, timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        first = time.monotonic() - started
+        serving = time.monotonic()
+        for _ in range(20):
+            httpx.post(url, json={"model": "tiny", "prompt": "Hello there", "max_tokens": 16}, timeout=30).raise_for_status()
+        return first, (time.monotonic() - serving) / 20
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--bind", default="nobind", help="VLLM_CPU_OMP_THREADS_BIND: nobind (the sandbox's) or auto")
+    args = parser.parse_args()
+    model = str(tiny_model_path())
+    logs = Path(tempfile.mkdtemp(prefix="engine-start-"))
+    for round_ in range(args.rounds):
+        for mode, extra in MODES.items():
+            first, per_request = start_once(model, extra, args.bind, logs / f"{mode}-{round_}.log")
+            print(f"{mode:4} round {round_}: first completion after {first:5.1f} s; "
+                  f"then {per_request * 1000:.0f} ms per 16-token completion", flush=True)
+    print(f"logs: {logs}")
+
+
+if __name__ == "__main__":
+    main()
