@@ -110,16 +110,22 @@ def test_completions_chat_and_key_at_the_router(router):
 
 def test_streaming_arrives_incrementally(router, engines):
     # test_router.py proves with a stub (one token per 20 ms) that the data plane passes chunks on as they
-    # come. With vLLM on busy cores the engine itself may send several chunks at once (once seen: all 32
-    # within 1 ms), so the stream through the router is compared with the same stream straight from an
-    # engine, long enough (200 tokens) that a stream held back until its end could not pass.
-    (_, url_a), _ = engines[0]
+    # come. With vLLM on busy cores an engine itself may send many chunks at once (seen: all 32 within 1 ms;
+    # in one CI-like run all 200 through the router within 0.1 ms, while the other engine streamed them
+    # over 0.6 s), so the stream through the router is compared with the same stream straight from each
+    # engine, long enough (200 tokens) that a stream held back until its end could not pass, and tried up
+    # to three times: a router that holds streams back fails every time, an engine's stall once.
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
-    direct, _ = stream_times(url_a, body)
-    times, lines = stream_times(router.url, body)
-    assert lines[-1] == "data: [DONE]" and len(lines) > 100  # vLLM merges a few tokens into one chunk
-    spread, direct_spread = times[-1] - times[1], direct[-1] - direct[1]
-    assert spread > 0.05 and spread > 0.3 * direct_spread, (spread, direct_spread)
+    tries = []
+    for _ in range(3):
+        direct = [stream_times(url, body)[0] for _, url in engines[0]]
+        times, lines = stream_times(router.url, body)
+        assert lines[-1] == "data: [DONE]" and len(lines) > 100  # vLLM merges a few tokens into one chunk
+        spread, direct_spread = times[-1] - times[1], min(d[-1] - d[1] for d in direct)
+        tries.append((round(spread, 4), round(direct_spread, 4)))
+        if spread > 0.05 and spread > 0.3 * direct_spread:
+            return
+    raise AssertionError(f"the stream through the router arrived at once every time: (spread, direct) {tries}")
 
 
 def test_spread_drain_kill_and_add(router, engines):
