@@ -294,7 +294,7 @@ def test_a_request_the_data_plane_has_sent_keeps_its_replica_busy_before_the_eng
         router.start([url])
         def send() -> None:
             with contextlib.suppress(httpx.HTTPError):  # the frozen engine never answers
-                httpx.post(f"{router.url}/v1/completions", json={"model": "stub", "prompt": "x"}, timeout=8)
+                httpx.post(f"{router.url}/v1/completions", json={"model": "stub", "prompt": "x"}, timeout=3)
         sender = threading.Thread(target=send)
         sender.start()
         wait_until(lambda: router.in_flight(url) == 1, 10, "the request in the data plane")
