@@ -113,8 +113,7 @@ def handover_room(cfg: DeploymentConfig, model_path: str, layout: Layout | None)
     """What the walltime leaves to serve behind an endpoint on Slurm: Slurm's queue estimate for one member
     now (sbatch --test-only, nothing queued) and the startup measured in this deployment's last run, else
     estimated (deployment.preflight.walltime_check)."""
-    if (cfg.cluster.scheduler != "slurm" or not cfg.serve.router or not cfg.serve.handover
-            or time_limit_seconds(cfg.cluster.time) is None):
+    if not cfg.hands_over or time_limit_seconds(cfg.cluster.time) is None:
         return None
     results = Path(cfg.results_dir).resolve()
     member = member_config(cfg, f"{cfg.name}-m0", 0, single_replica(layout or Layout()), results)

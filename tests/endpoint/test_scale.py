@@ -32,7 +32,6 @@ from hpcserve.core.paths import RunPaths
 from hpcserve.core.statuses import RunKind
 from hpcserve.deployment.runs import LocalRun
 from hpcserve.endpoint.decisions import reads_due
-from hpcserve.endpoint.pool import Pool
 from hpcserve.endpoint.probe import Prober
 from hpcserve.endpoint.router import Router
 from hpcserve.engine.metrics import (
@@ -267,6 +266,7 @@ def test_the_endpoint_over_32_standins_loses_10_percent_at_once_without_a_failed
 def test_a_backend_the_pool_did_not_join_itself_leaves_after_failed_probes_too(tmp_path):
     # An adopting controller takes over replicas that joined under its lost predecessor: they serve without
     # a join here, and their probes must count (a node lost after adoption left only when Slurm said so).
+    from hpcserve.endpoint.pool import Pool
     from hpcserve.endpoint.probe import Kind, Probed, Result
 
     router = Router("127.0.0.1", 0, None, tmp_path / "unused.log", admin_socket=tmp_path / "a.sock")
@@ -289,7 +289,6 @@ def test_a_request_the_data_plane_has_sent_keeps_its_replica_busy_before_the_eng
     url = urls[0]
     client.act("freeze", [int(url.rsplit(":", 1)[1])])  # takes the request, counts nothing, /metrics silent
     router = Router("127.0.0.1", free_loopback_port(), None, tmp_path / "router.log")
-    pool = Pool(router, None, "stub", 1.0, lambda: [url])
     try:
         router.start([url])
         def send() -> None:
@@ -299,9 +298,8 @@ def test_a_request_the_data_plane_has_sent_keeps_its_replica_busy_before_the_eng
         sender.start()
         wait_until(lambda: router.in_flight(url) == 1, 10, "the request in the data plane")
         assert router.engine_load(url, timeout_s=0.5) is None  # the engine says nothing about it
-        assert pool.busy(url)
+        assert router.busy(url)
         sender.join(15)
     finally:
-        pool.close()
         router.stop()
         router.close()

@@ -292,6 +292,11 @@ class DeploymentConfig(Strict):
     def on_gpu(self) -> bool:
         return self.cluster.gpus_per_node > 0
 
+    @property
+    def hands_over(self) -> bool:
+        """Each job gets a successor before its time limit: behind an endpoint on Slurm, unless turned off."""
+        return self.cluster.scheduler == "slurm" and self.serve.router and self.serve.handover
+
 
 # vLLM's parser takes --api_key for --api-key and any unique prefix of it (--api-k, --api-ke).
 API_KEY_OPTION = "--api-key"

@@ -264,7 +264,7 @@ def check_time(cfg: DeploymentConfig, weight_bytes: int | None, test_only: Captu
 def handover_check(cfg: DeploymentConfig, limit: float, load: float, size: str, test_only: Captured | None,
                    now: float | None) -> WalltimeCheck | None:
     """Behind an endpoint on Slurm every job is handed over to a successor before its limit."""
-    if cfg.cluster.scheduler != "slurm" or not cfg.serve.router or not cfg.serve.handover:
+    if not cfg.hands_over:
         return None
     queue, queue_basis = 0.0, "no estimate"
     if test_only is not None and test_only.rc == 0 and now is not None:

@@ -149,7 +149,7 @@ class Controller:
 
     def _stop_when_idle(self, member: Member, urls: list[str], why: str) -> None:
         deadline = time.monotonic() + DRAIN_TIMEOUT_S
-        while time.monotonic() < deadline and any(self.pool.busy(u) for u in urls):
+        while time.monotonic() < deadline and any(self.router.busy(u) for u in urls):
             time.sleep(0.5)
         with self.lock:
             if not member.backends:

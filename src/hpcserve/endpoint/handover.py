@@ -62,7 +62,7 @@ class Handover:
 
     def __init__(self, cfg: DeploymentConfig, clock: Callable[[], float] = time.time):
         self.on_slurm = cfg.cluster.scheduler == "slurm"
-        self.ahead = cfg.serve.handover  # off: no successor before a job's end, one at its end (orphans)
+        self.ahead = cfg.hands_over  # off: no successor before a job's end, one at its end (orphans)
         self.configured_lead_s = cfg.serve.handover_s
         self.walltime_s = time_limit_seconds(cfg.cluster.time)
         self.clock = clock

@@ -31,7 +31,7 @@ from hpcserve.endpoint.decisions import (
 )
 from hpcserve.endpoint.probe import Kind, Prober, Result
 from hpcserve.endpoint.rotation import Rotation
-from hpcserve.endpoint.router import Router, RouterError
+from hpcserve.endpoint.router import Router
 from hpcserve.engine.client import completion_probe
 from hpcserve.engine.metrics import EngineLoad
 
@@ -174,18 +174,6 @@ class Pool:
 
     def _mark_saturated(self) -> None:
         self.rotation.update(self.backends(), self.answering(), self.loads, self.suspect())
-
-    def busy(self, url: str) -> bool:
-        """Requests still run or wait on it: first the data plane's count (a request it has just sent is
-        not in the engine's /metrics yet: stopping on the engine's zero alone cut one in the handover
-        test), then the engine's own (a dead engine has nothing left to drain)."""
-        try:
-            if self.router.in_flight(url) > 0:
-                return True
-        except RouterError:
-            pass  # the data plane is being restarted: the engine's figures still say whether it drained
-        load = self.router.engine_load(url)
-        return load is not None and load.in_flight > 0
 
     def close(self) -> None:
         self.prober.close()

@@ -251,6 +251,18 @@ class Router:
         backend, before the engine's /metrics shows them."""
         return in_flight_to(self._admin_call("GET", "/backends").json(), url.rstrip("/"))
 
+    def busy(self, url: str) -> bool:
+        """Requests still run or wait there: first the data plane's own count (a request it has just sent is
+        not in the engine's /metrics yet: stopping on the engine's zero alone cut one in the handover
+        test), then the engine's (a dead engine has nothing left to drain)."""
+        try:
+            if self.in_flight(url) > 0:
+                return True
+        except RouterError:
+            pass  # the data plane is being restarted: the engine's figures still say whether it drained
+        load = self.engine_load(url)
+        return load is not None and not is_drained(load)
+
     def set_saturated(self, urls: Iterable[str]) -> None:
         """The backends whose engine queues requests (or whose KV cache is full) now: the data plane skips
         them while another has room. Sent only when something changed."""
