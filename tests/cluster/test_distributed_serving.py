@@ -20,6 +20,8 @@ import pytest
 from helpers import run_cli, write_config
 from test_slurm_ray import squeue_empty
 
+from hpcserve import api
+
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 HERE = Path(__file__).parent
 PROMPT_IDS = [5, 17, 42, 99, 7, 123, 64, 300]
@@ -47,6 +49,14 @@ def transformers_greedy() -> list[int]:
 
 
 def status_of(name: str) -> dict:
+    """The row `hpcserve status NAME --json` prints, read in-process: the tests poll it every second or
+    less while engines start, and a CLI process per poll (1-1.5 s of imports each) kept one of this
+    machine's two cores busy, starving the engine being waited for. `deployed` reads it once through
+    the CLI, so the command itself stays covered."""
+    return json.loads(json.dumps(api.status(name)[0].__dict__, default=str))
+
+
+def cli_status_of(name: str) -> dict:
     return json.loads(run_cli("status", name, "--json").stdout)[0]
 
 
@@ -56,7 +66,7 @@ def deployed(config: Path, name: str):
     done = run_cli("up", str(config), "--timeout", "900", timeout=1000)
     try:
         assert done.returncode == 0, done.stdout + done.stderr
-        yield status_of(name)
+        yield cli_status_of(name)
     finally:
         assert run_cli("down", name).returncode == 0
     assert squeue_empty(os.environ)

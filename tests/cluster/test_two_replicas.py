@@ -92,11 +92,11 @@ class InFlight:
 @pytest.mark.parametrize("run", range(HET_RUNS))
 def test_unequal_replicas_get_traffic_in_proportion_to_their_capacity(replicas, tmp_path, run):
     # Round robin would put half of the 10 concurrent requests on each replica, four queueing on the small
-    # one. The data plane bounds each replica to its capacity's share of what is in flight (8 and 1; the
-    # default policy, prefix, to 1.25 x that share) and skips one whose engine queues with every slot
-    # taken: the small one holds one or two, the big one the rest. How
-    # many each then finishes depends on how fast each runs them (on 2 shared cores the small one, running
-    # one at a time, can finish as many as the big one running eight): the split is printed, not asserted.
+    # one. The data plane sends a request to a replica with room (a free slot by its own count, and no
+    # saturation mark) while there is one, else to the least loaded per slot: the small one (1 slot) holds
+    # one, two at most (2/1 against the big one's 8/8), the big one the rest. How many each then finishes
+    # depends on how fast each runs them (on 2 shared cores the small one, running one at a time, can
+    # finish as many as the big one running eight): the split is printed, not asserted.
     members = {m["group"]: m for m in status_of(NAME)["members"]}
     assert sorted(members) == [0, 1] and all(m["status"] == "serving" for m in members.values())
     big, small = members[0]["backends"][0], members[1]["backends"][0]
@@ -111,6 +111,7 @@ def test_unequal_replicas_get_traffic_in_proportion_to_their_capacity(replicas, 
     assert served[big] + served[small] == 201  # bench's one warm-up request, then the 200
     print(f"het run {run}: in flight big {held[big]:.1f}, small {held[small]:.1f}; "
           f"finished big {served[big]:.0f}, small {served[small]:.0f}")  # the 10-run record in docs/testing.md
-    # Round robin: about 5 and 5. Measured 2026-12-02 (10 runs): small 1.0-3.2, big 4.4-6.3 (more on the
-    # small one while the big one is saturated, all 8 slots taken and requests waiting); finished 2.5-6.7 : 1.
-    assert held[small] <= 3.5 and held[big] > held[small], (held, served)
+    # Round robin: about 5 and 5. Until 2026-12-03 a replica without a saturation mark counted as room even
+    # when full, and CI saw the small one hold 3.9 (its mark comes a metrics poll late). Engine gauges a
+    # step late can show a third request for a moment: 2.2, not 2.
+    assert held[small] <= 2.2 and held[big] > 2 * held[small], (held, served)

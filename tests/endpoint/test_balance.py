@@ -56,6 +56,15 @@ def test_saturated_backends_are_skipped_while_another_has_room():
     assert {choose(pool, Routing.LEAST_LOADED, None, 0.0).url for _ in range(4)} == {"http://a", "http://b"}
 
 
+def test_a_full_backend_is_no_room_even_before_its_saturation_mark():
+    # The het pool on the sandbox: the 8-slot replica marked saturated, the 1-slot one full but not yet
+    # marked (the mark comes a metrics poll late). Taking "unmarked" for room sent it every request.
+    for policy in (Routing.LEAST_LOADED, Routing.PREFIX):  # round robin takes each in turn, full or not
+        pool = pool_of(BackendSpec("http://big", 8, saturated=True), BackendSpec("http://small", 1))
+        chosen = Counter(send(pool, policy, key=b"same prompt").url for _ in range(10))
+        assert chosen["http://small"] <= 2 and chosen["http://big"] >= 8, (policy, chosen)
+
+
 def test_failed_backends_are_skipped_until_their_pause_ends():
     pool = pool_of(BackendSpec("http://a"), BackendSpec("http://b"))
     pool.by_url["http://a"].failed_until = 10.0

@@ -15,7 +15,8 @@ Policies (core.statuses.Routing):
                 KV cache again on the same replica. When that replica carries more than
                 (1 + PREFIX_EPSILON) x its share of what is in flight, least_loaded decides instead.
 Every policy skips a backend marked failed (a connection error, for a few seconds) and, while another
-has room, one the controller marked saturated (its engine queues requests or its KV cache is full).
+has room, one without: every slot taken by requests in flight through here, or marked saturated by the
+controller (its engine queues requests or its KV cache is full). When none has room, all are candidates.
 """
 
 from __future__ import annotations
@@ -158,9 +159,12 @@ class Pool:
 
 
 def candidates(backends: list[Backend], now: float) -> list[Backend]:
-    """Those that may take a request now: not failed; and not saturated while another has room."""
+    """Those that may take a request now: not failed; and, while another has room, not one without.
+    Room is a free slot by the data plane's own count and no saturation mark: the mark comes from the
+    engine's metrics a poll late, so a full replica still looks unmarked for a while, and taking it as
+    room sent every request to a 1-slot replica while an 8-slot one was marked (4 queued there)."""
     alive = [b for b in backends if b.failed_until <= now]
-    roomy = [b for b in alive if not b.saturated]
+    roomy = [b for b in alive if not b.saturated and b.in_flight < b.capacity]
     return roomy or alive
 
 
