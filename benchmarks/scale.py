@@ -48,7 +48,7 @@ from hpcserve.core.statuses import RunKind, RunStatus
 from hpcserve.deployment.runs import LocalRun
 from hpcserve.endpoint.router import Router
 from hpcserve.testing.endpoint import FARM_ENV
-from hpcserve.testing.harness import spawn, stop, wait_until
+from hpcserve.testing.harness import ports_to_listen_on, spawn, stop, wait_until
 from hpcserve.testing.members import FarmClient
 
 KEY = "scale-bench-key"
@@ -66,7 +66,7 @@ def percentile(values: list[float], q: float) -> float | None:
 # ------------------------------------------------------------------ the pieces
 
 def start_farm(directory: Path, count: int, small_metrics: bool) -> tuple[subprocess.Popen, FarmClient, list[int]]:
-    ports = sorted({free_loopback_port() for _ in range(count * 2)})[:count]
+    ports = ports_to_listen_on(count)
     admin = free_loopback_port()
     proc = spawn([PYTHON, "-m", "hpcserve.testing.standin", "--ports", ",".join(map(str, ports)),
                   "--admin-port", str(admin)] + (["--small-metrics"] if small_metrics else []),

@@ -12,7 +12,8 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh
 if [ "${1:-}" = "--fast" ]; then
   shift
-  exec .venv/bin/python -m pytest -p no:cacheprovider -q -m "not slow and not sandbox" "$@"
+  # Two workers: these tests share nothing but the machine (about 65 s here instead of 150 s in one).
+  exec .venv/bin/python -m pytest -p no:cacheprovider -q -n 2 -m "not slow and not sandbox" "$@"
 fi
 # The dashboard test drives Debian's Chromium (never a browser download).
 if [ "$(id -u)" = 0 ] && [ ! -x /usr/bin/chromium ]; then

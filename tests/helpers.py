@@ -22,6 +22,20 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 900, cwd: Path
                           env={**os.environ, **(env or {})}, cwd=cwd)
 
 
+def run_cli_here(*args: str) -> subprocess.CompletedProcess:
+    """The same command in this process (typer's CliRunner): for many calls that end before anything starts,
+    where a process each (1-1.5 s of imports) was most of the fast tests' time. What only a process shows
+    (no traceback on stderr, the exit code of `python -m hpcserve.cli`) stays with run_cli."""
+    from typer.testing import CliRunner
+
+    from hpcserve.cli.main import app
+
+    result = CliRunner().invoke(app, list(args), prog_name="hpcserve")
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception  # a crash is a crash: its traceback, not an exit code
+    return subprocess.CompletedProcess(["hpcserve", *args], result.exit_code, result.stdout, result.stderr)
+
+
 def write_config(path: Path, base: Path | dict, **overrides) -> Path:
     """A copy of a config with nested overrides, e.g. serve={'port': 1234}."""
     data = yaml.safe_load(Path(base).read_text()) if isinstance(base, Path) else dict(base)

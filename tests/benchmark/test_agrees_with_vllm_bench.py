@@ -28,7 +28,11 @@ INPUT_LEN, OUTPUT_LEN, CONCURRENCY, NUM_PROMPTS = 64, 32, 4, 120
 # Closed loop (fixed concurrency, no request rate): with Poisson arrivals the throughput of N requests is
 # set by the sampled arrival span (+-9% for N=120), and the two tools draw different samples.
 PAIRS = 3  # odd: the median is one pair, not an average of two (each pair starts a `vllm bench` process: ~30 s)
-TOLERANCE = 0.05
+# Closed loop on 2 cores shared by the server and both clients: how fast a client turns a finished request
+# into the next one lands in its throughput. Measured here (median of 3 pairs): 0.99-1.01 with our client
+# in the pytest process on an idle machine, 0.90 in CI's full run (the pytest process after 700 tests),
+# 1.04 as a process of its own (pairs 0.99-1.06, 2026-12-03). A wrong count or clock is off by far more.
+TOLERANCE = 0.08
 SERVER_READY_S = 180
 
 
@@ -191,4 +195,4 @@ def test_throughput_and_ttft_agree_with_vllm_bench_serve(vllm_server, tmp_path):
     # process holding all of vLLM, decoding and accumulating every chunk's text. Measured here on
     # 2026-11-30: our median TTFT 0.73-0.81 of vLLM's (5 pairs each, 3 runs), with throughput within 1.5%.
     # So here: never slower than vLLM's client by more than 5%, and not absurdly faster.
-    assert 0.6 <= ratios["ttft_p50_ms"] <= 1 + TOLERANCE, f"ttft_p50_ms: hpcserve/vllm = {ratios['ttft_p50_ms']:.3f}"
+    assert 0.6 <= ratios["ttft_p50_ms"] <= 1.05, f"ttft_p50_ms: hpcserve/vllm = {ratios['ttft_p50_ms']:.3f}"

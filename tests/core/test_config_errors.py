@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import REPO, run_cli
+from helpers import REPO, run_cli, run_cli_here
 
 LOCAL = yaml.safe_load((REPO / "examples" / "local.yaml").read_text())
 
@@ -86,7 +86,7 @@ def test_broken_config_is_refused_cleanly(case, tmp_path, hpcserve_home):
     config = tmp_path / f"{case}.yaml"
     config.write_text(text)
     registered = registry(hpcserve_home)
-    result = run_cli("up", str(config), timeout=120)
+    result = run_cli_here("up", str(config))  # a process's own stderr: the tests below
     assert result.returncode == 2, result.stdout + result.stderr
     assert "Traceback" not in result.stdout + result.stderr
     assert result.stderr.startswith("error:"), result.stderr

@@ -49,7 +49,7 @@ from hpcserve.slurm.client import SlurmClient
 from hpcserve.slurm.parse import parse_squeue
 from hpcserve.slurm.watcher import JobWatcher, jobs_to_ask, refresh_due
 from hpcserve.testing.endpoint import FARM_ENV
-from hpcserve.testing.harness import spawn, stop, wait_until
+from hpcserve.testing.harness import ports_to_listen_on, spawn, stop, wait_until
 from hpcserve.testing.members import FarmClient
 
 VLLM_METRICS = (Path(__file__).parents[1] / "monitoring" / "data" / "vllm_metrics.txt").read_text()
@@ -180,8 +180,7 @@ def test_the_watcher_asks_slurm_once_per_interval_whatever_the_number_of_jobs():
 @pytest.fixture()
 def farm(tmp_path):
     """A farm of 40 stand-ins (one process) and its admin API."""
-    ports = sorted({free_loopback_port() for _ in range(80)})[:40]
-    admin = free_loopback_port()
+    *ports, admin = ports_to_listen_on(41)
     proc = spawn([sys.executable, "-m", "hpcserve.testing.standin", "--ports", ",".join(map(str, ports)),
                   "--admin-port", str(admin)], tmp_path / "farm.log")
     client = FarmClient(f"http://127.0.0.1:{admin}")

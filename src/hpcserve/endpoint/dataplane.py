@@ -54,9 +54,8 @@ from hpcserve.core.keys import read_key_file
 from hpcserve.core.statuses import Routing
 from hpcserve.endpoint import wire
 from hpcserve.endpoint.balance import Backend, BackendSpec, Pool, choose
+from hpcserve.endpoint.wire import MODULE, PROCESS_TITLE
 
-PROCESS_TITLE = "hpcserve-router"
-MODULE = "hpcserve.endpoint.dataplane"
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 # After a refusal the rest of a request is read and dropped this long (so the client gets the answer, not
 # a reset while it still sends), then the connection closes: aiohttp's 10 s would let slow clients linger.

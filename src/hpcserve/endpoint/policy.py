@@ -3,15 +3,17 @@ as this Protocol, so that policies depend on an interface, not on the controller
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from hpcserve.core.config import Layout
 from hpcserve.core.runstate import Decision
 from hpcserve.core.statuses import MemberRole
 from hpcserve.endpoint.members import Member
-from hpcserve.endpoint.pool import Pool
 from hpcserve.slurm.parse import WillRun
 from hpcserve.slurm.states import JobInfo
+
+if TYPE_CHECKING:  # the pool brings the prober's async HTTP stack: not for every CLI call that reads a policy
+    from hpcserve.endpoint.pool import Pool
 
 
 class ControlPlane(Protocol):

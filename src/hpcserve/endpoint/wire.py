@@ -11,6 +11,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 
+# How the data plane's process is started and recognised (router.py starts it, dataplane.py is it): here,
+# so that the side that starts it does not import the server's async HTTP stack (a CLI call's 0.3 s).
+PROCESS_TITLE = "hpcserve-router"
+MODULE = "hpcserve.endpoint.dataplane"
 RETRY_AFTER_S = 5  # what a 503 tells clients to wait: about one controller round plus a join
 KEY_HEADERS = ("x-session-id", "x-user-id")  # what vLLM-router's consistent_hash reads, in this order
 AFFINITY_BYTES = 1536  # the prompt's first 1.5 KB: a shared system prompt or conversation start

@@ -3,8 +3,11 @@ stopped by the PID recorded at start (never by name), and polls with a deadline 
 
 from __future__ import annotations
 
+import itertools
 import os
+import random
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -33,6 +36,27 @@ def stop(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def ports_to_listen_on(count: int, host: str = "127.0.0.1") -> list[int]:
+    """count ports free now for a process about to listen on them, drawn below the kernel's ephemeral range:
+    a port the kernel handed out (bind to 0) is also where it puts the source port of the next outgoing
+    connection, so another test's client took one of a 40-port farm's before the farm bound it."""
+    first_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    candidates = random.sample(range(10000, first_ephemeral), min(first_ephemeral - 10000, 50 * count))
+    ports = list(itertools.islice((port for port in candidates if _bindable(host, port)), count))
+    if len(ports) < count:
+        raise RuntimeError(f"fewer than {count} free ports below {first_ephemeral}")
+    return ports
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def wait_until(check: Callable[[], T], timeout_s: float, what: str, poll_s: float = 0.2) -> T:
