@@ -148,6 +148,14 @@ def fill_run_dir(paths: RunPaths, cfg: DeploymentConfig, key: ApiKey) -> None:
     store_key(paths.root, key)
 
 
+# A process's start as an epoch is its start since boot plus the boot time, which the kernel gives in whole
+# seconds, recomputed from the wall clock: when NTP moves the clock across a second, the same process
+# starts a second earlier or later (psutil itself identifies processes by the time since boot for this
+# reason, psutil#2366). With a 1 s bound CI saw `up` take two live controllers for exited and stop them.
+# A reused PID belongs to a process started after ours ended: far more than this apart in practice.
+PID_REUSE_S = 10.0
+
+
 @dataclass
 class LocalRun:
     """A detached process here: it outlives the command that started it and the terminal it ran in."""
@@ -197,7 +205,7 @@ class LocalRun:
             return None
         try:
             proc = psutil.Process(self.record.driver_pid)
-            if self.record.driver_started and abs(proc.create_time() - self.record.driver_started) > 1:
+            if self.record.driver_started and abs(proc.create_time() - self.record.driver_started) > PID_REUSE_S:
                 return None  # the PID was reused by another process
             return proc if alive(proc) else None
         except psutil.NoSuchProcess:
