@@ -216,7 +216,21 @@ class LocalRun:
         would let a second controller start beside a live one."""
         if self.elsewhere():
             return None
-        return None if self.process() else f"the {self.record.kind} process exited (see {self.log.name})"
+        if self.process():
+            return None
+        return f"the {self.record.kind} process exited (see {self.log.name}){self.reused_pid_note()}"
+
+    def reused_pid_note(self) -> str:
+        """When its PID runs something that did not start when ours did: both start times, so that a
+        mistaken 'exited' can be told from a real one."""
+        try:
+            started = psutil.Process(self.record.driver_pid).create_time()
+        except (psutil.Error, ValueError, TypeError):
+            return ""
+        if not self.record.driver_started or abs(started - self.record.driver_started) <= PID_REUSE_S:
+            return ""  # a zombie of ours, or no start recorded
+        return f"; PID {self.record.driver_pid} now runs a process started at {started:.2f}, ours at " \
+               f"{self.record.driver_started:.2f}"
 
     def runner_line(self) -> str:
         """What `status` says of the process."""
