@@ -66,8 +66,7 @@ def percentile(values: list[float], q: float) -> float | None:
 # ------------------------------------------------------------------ the pieces
 
 def start_farm(directory: Path, count: int, small_metrics: bool) -> tuple[subprocess.Popen, FarmClient, list[int]]:
-    ports = ports_to_listen_on(count)
-    admin = free_loopback_port()
+    *ports, admin = ports_to_listen_on(count + 1)
     proc = spawn([PYTHON, "-m", "hpcserve.testing.standin", "--ports", ",".join(map(str, ports)),
                   "--admin-port", str(admin)] + (["--small-metrics"] if small_metrics else []),
                  directory / "farm.log", {"HPCSERVE_STUB_API_KEY": KEY})

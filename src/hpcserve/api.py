@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -333,6 +334,10 @@ class DeploymentStatus:
     members: list[dict] = field(default_factory=list)  # the deployments behind the router, one line each
     decisions: list[dict] = field(default_factory=list)  # the endpoint's last decisions, with reasons
     advice: str | None = None  # what to run to put it right (an endpoint without its controller)
+
+    def to_json(self) -> dict:
+        """Plain JSON values (statuses and paths as text): what `hpcserve status --json` prints."""
+        return json.loads(json.dumps(self.__dict__, default=str))
 
 
 def is_running(record: Record) -> bool:

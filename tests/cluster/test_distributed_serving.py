@@ -53,7 +53,7 @@ def status_of(name: str) -> dict:
     less while engines start, and a CLI process per poll (1-1.5 s of imports each) kept one of this
     machine's two cores busy, starving the engine being waited for. `deployed` reads it once through
     the CLI, so the command itself stays covered."""
-    return json.loads(json.dumps(api.status(name)[0].__dict__, default=str))
+    return api.status(name)[0].to_json()
 
 
 def cli_status_of(name: str) -> dict:

@@ -206,7 +206,7 @@ def status(name: Optional[str] = typer.Argument(None, help="one deployment; defa
         return
     rows = api.status(name)
     if as_json:
-        print(json.dumps([r.__dict__ for r in rows], indent=2, default=str))
+        print(json.dumps([r.to_json() for r in rows], indent=2))
         return
     if not rows:
         console.print("no deployments. Start one with `hpcserve up CONFIG`.")

@@ -205,7 +205,7 @@ class LocalRun:
             return None
         try:
             proc = psutil.Process(self.record.driver_pid)
-            if self.record.driver_started and abs(proc.create_time() - self.record.driver_started) > PID_REUSE_S:
+            if self.started_elsewhen(proc.create_time()):
                 return None  # the PID was reused by another process
             return proc if alive(proc) else None
         except psutil.NoSuchProcess:
@@ -220,6 +220,10 @@ class LocalRun:
             return None
         return f"the {self.record.kind} process exited (see {self.log.name}){self.reused_pid_note()}"
 
+    def started_elsewhen(self, started: float) -> bool:
+        """A process that started then is not ours (known only when our start was recorded)."""
+        return bool(self.record.driver_started) and abs(started - self.record.driver_started) > PID_REUSE_S
+
     def reused_pid_note(self) -> str:
         """When its PID runs something that did not start when ours did: both start times, so that a
         mistaken 'exited' can be told from a real one."""
@@ -227,7 +231,7 @@ class LocalRun:
             started = psutil.Process(self.record.driver_pid).create_time()
         except (psutil.Error, ValueError, TypeError):
             return ""
-        if not self.record.driver_started or abs(started - self.record.driver_started) <= PID_REUSE_S:
+        if not self.started_elsewhen(started):
             return ""  # a zombie of ours, or no start recorded
         return f"; PID {self.record.driver_pid} now runs a process started at {started:.2f}, ours at " \
                f"{self.record.driver_started:.2f}"
