@@ -10,11 +10,22 @@ from pathlib import Path
 import psutil
 import yaml
 
-from hpcserve.core.net import free_loopback_port as free_port  # noqa: F401 - tests import it from here
+from hpcserve.testing.harness import port_block
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port(block: int = 3) -> int:
+    """A port for a listener a test starts, with the next block - 1 free too (a local deployment's router
+    on serve.port, its replicas after it), outside Ray's worker ports and the ephemeral range."""
+    return port_block(block)
+
+
 RESULTS_DIRS: list[Path] = []  # results folders of deployments several tests share: where to look on failure
 HPCSERVE = [sys.executable, "-m", "hpcserve.cli"]
+# The tiny model's KV cache in the tests' engines (16,384 tokens): vLLM on CPU allocates its whole cache at
+# start, 7-10 s per GiB on this machine (docs/testing.md). Overrides of engine.args repeat it.
+SMALL_KV_CACHE = ["--kv-cache-memory-bytes", str(64 * 2**20)]
 
 
 def run_cli(*args: str, env: dict | None = None, timeout: float = 900, cwd: Path | None = None) -> subprocess.CompletedProcess:

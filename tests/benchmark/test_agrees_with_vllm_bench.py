@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import HPCSERVE, free_port
+from helpers import HPCSERVE, SMALL_KV_CACHE, free_port
 
 INPUT_LEN, OUTPUT_LEN, CONCURRENCY, NUM_PROMPTS = 64, 32, 4, 120
 # Closed loop (fixed concurrency, no request rate): with Poisson arrivals the throughput of N requests is
@@ -80,8 +80,8 @@ def vllm_server(tmp_path_factory):
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     argv = [sys.executable, "-m", "hpcserve.engine.vllm_cli", "serve", str(model), "--served-model-name", "tiny",
             "--dtype", "float32", "--max-model-len", "512", "--host", "127.0.0.1", "--port", str(port),
-            "--enforce-eager"]  # what is compared is the load generators, not vLLM's compile path
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+            "--enforce-eager", *SMALL_KV_CACHE]  # what is compared is the load generators, not vLLM's compile path
+    env = dict(os.environ)
     with open(log, "wb") as sink:
         process = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     base_url = f"http://127.0.0.1:{port}"
@@ -191,8 +191,9 @@ def test_throughput_and_ttft_agree_with_vllm_bench_serve(vllm_server, tmp_path):
     for metric in ("req_s", "out_tok_s"):
         assert abs(ratios[metric] - 1) <= TOLERANCE, f"{metric}: hpcserve/vllm = {ratios[metric]:.3f} ({pairs})"
     # TTFT: the definitions are the same (checked against vllm/benchmarks/lib/endpoint_request_func.py), but
-    # on 2 cores the client's own event-loop lag lands in TTFT, and `vllm bench serve` runs its client in a
-    # process holding all of vLLM, decoding and accumulating every chunk's text. Measured here on
-    # 2026-11-30: our median TTFT 0.73-0.81 of vLLM's (5 pairs each, 3 runs), with throughput within 1.5%.
-    # So here: never slower than vLLM's client by more than 5%, and not absurdly faster.
-    assert 0.6 <= ratios["ttft_p50_ms"] <= 1.05, f"ttft_p50_ms: hpcserve/vllm = {ratios['ttft_p50_ms']:.3f}"
+    # on 2 cores the clients' own event-loop lag and where each request lands in the server's batches land in
+    # TTFT. Measured: our median TTFT 0.73-0.81 of vLLM's with our client in the pytest process (2026-11-30,
+    # 5 pairs each, 3 runs); as a process of its own, per-pair ratios 1.22, 0.82, 1.13 (CI's run of
+    # 2026-12-03, median 1.13, while throughput agreed to 1.6 %). A wrong clock is off by far more: to the
+    # last token instead of the first is about 30 decode steps, several times the TTFT.
+    assert 0.6 <= ratios["ttft_p50_ms"] <= 1.35, f"ttft_p50_ms: hpcserve/vllm = {ratios['ttft_p50_ms']:.3f}"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import run_cli, write_config
+from helpers import SMALL_KV_CACHE, run_cli, write_config
 from test_slurm_ray import squeue_empty
 
 from hpcserve import api
@@ -114,8 +114,7 @@ def test_engine_that_fails_to_start_fails_up_with_its_own_error(slurm_env, tmp_p
     config = write_config(tmp_path / "bad.yaml", HERE / "sandbox-replicas.yaml", name="sb-bad",
                           results_dir=str(tmp_path / "results"),
                           cluster={"nodes": 1}, parallelism={"tensor": 1, "pipeline": 1, "replicas": 1},
-                          engine={"executor": "mp", "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
-                                  "args": ["--enforce-eager", "--max-model-len", "999999"]})
+                          engine={"executor": "mp", "args": ["--enforce-eager", "--max-model-len", "999999", *SMALL_KV_CACHE]})
     done = run_cli("up", str(config), "--timeout", "600", timeout=700)
     text = " ".join((done.stdout + done.stderr).split())
     assert done.returncode == 1, text

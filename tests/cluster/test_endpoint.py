@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import HPCSERVE, write_config
+from helpers import HPCSERVE, SMALL_KV_CACHE, write_config
 from test_distributed_serving import deployed, status_of
 
 from hpcserve.engine.metrics import FINISHED, parse_engine_metrics, total
@@ -101,7 +101,7 @@ def test_endpoint_scales_with_the_queue_and_drains_when_idle(slurm_env, tmp_path
     config = write_config(tmp_path / "scale.yaml", HERE / "sandbox-replicas.yaml", name="sb-scale",
                           results_dir=str(tmp_path / "results"), serve={"port": 8600},
                           parallelism={"tensor": 1, "pipeline": 1, "replicas": 1},
-                          engine={"args": ["--enforce-eager", "--max-num-seqs", "2"]},
+                          engine={"args": ["--enforce-eager", "--max-num-seqs", "2", *SMALL_KV_CACHE]},
                           # Idle for 30 s: the steady load's gaps at one replica (Poisson, 0.25/s each) stay
                           # below that (a gap of 15 s would occur in about one run of three).
                           autoscale={"min": 1, "max": 2, "target_queue": 2, "scale_up_after_s": 5,

@@ -17,12 +17,12 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import free_port
 from test_slurm_ray import squeue_empty
 
 from hpcserve.core.config import parse_config
 from hpcserve.core.files import read_json
 from hpcserve.core.keys import choose_key
-from hpcserve.core.net import free_loopback_port
 from hpcserve.core.paths import RunPaths
 from hpcserve.core.statuses import RunKind
 from hpcserve.deployment.runs import LocalRun
@@ -45,7 +45,7 @@ def test_member_jobs_one_squeue_per_interval_and_a_rolling_handover(slurm_env, t
     raw = {"name": "sb-scale", "model": {"path": "builtin:tiny-llama", "served_name": "stub"},
            "cluster": {"scheduler": "slurm", "nodes": MEMBERS, "cpus_per_node": 1, "gpus_per_node": 0, "time": "3"},
            "parallelism": {"replicas": MEMBERS},
-           "serve": {"host": "0.0.0.0", "port": free_loopback_port(), "api_key_env": "HPCSERVE_API_KEY",
+           "serve": {"host": "0.0.0.0", "port": free_port(), "api_key_env": "HPCSERVE_API_KEY",
                      "handover_s": 100},
            # 3-minute jobs: the handovers, one at a time and planned backwards from the last job's end, begin
            # about 30 s in; the first 10 s are the steady state whose Slurm queries are counted

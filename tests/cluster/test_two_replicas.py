@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import run_cli, write_config
+from helpers import SMALL_KV_CACHE, run_cli, write_config
 from test_distributed_serving import GREEDY, deployed, greedy_ids, status_of
 from test_endpoint import errors, finish_bench, requests_served, start_bench
 
@@ -29,7 +29,7 @@ def replicas(slurm_module_env, tmp_path_factory):
     work = tmp_path_factory.mktemp("two-replicas")
     config = write_config(work / "reps.yaml", HERE / "sandbox-replicas.yaml", results_dir=str(work / "results"),
                           parallelism={"tensor": 1, "pipeline": 1, "replicas": 1},
-                          engine={"args": ["--enforce-eager", "--max-num-seqs", "8"]},
+                          engine={"args": ["--enforce-eager", "--max-num-seqs", "8", *SMALL_KV_CACHE]},
                           replica_groups=[{"replicas": 1, "engine_args": ["--max-num-seqs", "1"]}])
     with deployed(config, NAME) as status:
         yield status, work

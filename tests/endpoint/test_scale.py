@@ -23,11 +23,11 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from helpers import free_port
 
 from hpcserve.core.config import parse_config
 from hpcserve.core.files import read_json
 from hpcserve.core.keys import choose_key
-from hpcserve.core.net import free_loopback_port
 from hpcserve.core.paths import RunPaths
 from hpcserve.core.statuses import RunKind
 from hpcserve.deployment.runs import LocalRun
@@ -210,7 +210,7 @@ def test_prober_a_killed_replica_fails_at_once_a_silent_one_after_its_timeout(fa
 
 def test_router_apply_changes_dozens_of_backends_in_one_call(farm, tmp_path):
     _, urls = farm
-    router = Router("127.0.0.1", free_loopback_port(), None, tmp_path / "router.log")
+    router = Router("127.0.0.1", free_port(), None, tmp_path / "router.log")
     try:
         router.start(urls[:1])
         assert router.apply(add=urls[1:30] + ["http://127.0.0.1:1"]) == {"http://127.0.0.1:1"}
@@ -229,7 +229,7 @@ def test_the_endpoint_over_32_standins_loses_10_percent_at_once_without_a_failed
     monkeypatch.setenv("HPCSERVE_SCALE_KEY", "scale-test-key")
     raw = {"name": "scale32", "model": {"path": "builtin:tiny-llama", "served_name": "stub"},
            "cluster": {"scheduler": "local", "cpus_per_node": 32}, "parallelism": {"replicas": 32},
-           "serve": {"port": free_loopback_port(), "api_key_env": "HPCSERVE_SCALE_KEY"}}
+           "serve": {"port": free_port(), "api_key_env": "HPCSERVE_SCALE_KEY"}}
     (tmp_path / "endpoint.yaml").write_text(yaml.safe_dump(raw))
     record = LocalRun.start(parse_config(raw), tmp_path, "hpcserve.testing.endpoint", RunKind.ENDPOINT,
                             choose_key("HPCSERVE_SCALE_KEY", False), {FARM_ENV: client.admin_url}).record
@@ -287,7 +287,7 @@ def test_a_request_the_data_plane_has_sent_keeps_its_replica_busy_before_the_eng
     client, urls = farm
     url = urls[0]
     client.act("freeze", [int(url.rsplit(":", 1)[1])])  # takes the request, counts nothing, /metrics silent
-    router = Router("127.0.0.1", free_loopback_port(), None, tmp_path / "router.log")
+    router = Router("127.0.0.1", free_port(), None, tmp_path / "router.log")
     try:
         router.start([url])
         def send() -> None:

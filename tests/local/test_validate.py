@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import REPO, free_port, run_cli, write_config
+from helpers import REPO, SMALL_KV_CACHE, free_port, run_cli, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -14,7 +14,7 @@ def test_validate_writes_plausible_figures(tmp_path, hpcserve_home):
     results = tmp_path / "results"
     config = write_config(tmp_path / "v.yaml", REPO / "examples" / "local.yaml", name="t-valid",
                           serve={"port": free_port()}, results_dir=str(results),
-                          engine={"args": ["--enforce-eager"]})  # the compile path: tests/local/conftest.py
+                          engine={"args": ["--enforce-eager", *SMALL_KV_CACHE]})  # the compile path: tests/local/conftest.py
     done = run_cli("validate", str(config), "--concurrency", "4", "--num-prompts", "12", "--output-len", "16")
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((results / "logs" / "t-valid" / "validation.json").read_text())

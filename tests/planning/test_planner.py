@@ -312,3 +312,21 @@ def test_plan_for_config_on_cpu_uses_vllm_cpu_kvcache_space():
     assert p.best.kv_bytes_per_worker == GIB
     assert p.best.kv_tokens_per_replica == 262_144
     assert all(c.layout.pipeline == 1 for c in p.ranked)
+
+
+def test_plan_for_config_reads_kv_cache_memory_bytes_on_cpu_and_gpu():
+    tiny = {"name": "tiny", "model": {"path": "builtin:tiny-llama", "dtype": "float32", "max_model_len": 512},
+            "engine": {"args": ["--kv-cache-memory-bytes", str(64 * 2**20)]}}
+    p = plan_for_config(parse_config(tiny), json.loads((DATA / "tiny-llama-v1-config.json").read_text()))
+    assert p.best.kv_bytes_per_worker == 64 * 2**20 and p.best.kv_tokens_per_replica == 16_384
+    both = {**tiny, "engine": {"args": tiny["engine"]["args"], "env": {"VLLM_CPU_KVCACHE_SPACE": "1"}}}
+    assert plan_for_config(parse_config(both), json.loads((DATA / "tiny-llama-v1-config.json").read_text())).best.kv_bytes_per_worker == GIB
+    big = {"name": "big", "model": {"path": "/models/llama-3.1-70b", "max_model_len": 8192},
+           "cluster": {"scheduler": "slurm", "nodes": 1, "gpus_per_node": 8, "gpu_memory_gb": 80}}
+    fixed = plan_for_config(parse_config({**big, "engine": {"args": ["--kv-cache-memory-bytes=10000000000"]}}),
+                            model_config("llama-3.1-70b"))
+    assert {c.kv_bytes_per_worker for c in fixed.ranked} == {10_000_000_000}
+    too_much = plan_for_config(parse_config({**big, "engine": {"args": ["--kv-cache-memory-bytes", str(70 * GIB)]}}),
+                               model_config("llama-3.1-70b"))
+    assert not any(c.layout.workers_per_replica == 4 for c in too_much.ranked)  # 35 GiB of weights + 70 GiB
+    assert any("--kv-cache-memory-bytes" in p for c in too_much.rejected for p in c.problems)

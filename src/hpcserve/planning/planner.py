@@ -46,7 +46,9 @@ class PlanSettings:
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
-    kv_cache_bytes_per_worker: int | None = None  # CPU: VLLM_CPU_KVCACHE_SPACE GiB (default 4)
+    # vLLM's --kv-cache-memory-bytes (GPU: instead of what gpu_memory_utilization leaves); CPU: else
+    # VLLM_CPU_KVCACHE_SPACE GiB, which wins over the flag there (default 4 GiB)
+    kv_cache_bytes_per_worker: int | None = None
     allow_cross_node_tensor: bool = False
     min_concurrent_seqs: float = 16  # fewer full-length sequences than this in KV cache: score scaled down
     max_num_batched_tokens: int = 8192
@@ -190,7 +192,13 @@ def _evaluate(shape: ModelShape, layout: Layout, cluster: ClusterSpec, s: PlanSe
         reserve = reserve_bytes_per_worker(shape, layout, s)
         budget = cluster.gpu_memory_gb * GIB * s.gpu_memory_utilization
         kv = int(budget - weights - reserve)
-        if kv <= 0:
+        if s.kv_cache_bytes_per_worker is not None:
+            kv, budget = s.kv_cache_bytes_per_worker, cluster.gpu_memory_gb * GIB
+            if weights + reserve + kv > budget:
+                problems.append(f"too little memory: {weights / GIB:.1f} GiB of weights + {reserve / GIB:.1f} GiB reserve + "
+                                f"{kv / GIB:.1f} GiB of KV cache (--kv-cache-memory-bytes) per GPU exceed "
+                                f"{cluster.gpu_memory_gb:g} GiB; lower --kv-cache-memory-bytes or use more GPUs per replica")
+        elif kv <= 0:
             problems.append(f"too little memory: {weights / GIB:.1f} GiB of weights + {reserve / GIB:.1f} GiB reserve per GPU "
                             f"exceed {budget / GIB:.1f} GiB ({s.gpu_memory_utilization:g} x {cluster.gpu_memory_gb:g} GiB); "
                             "use more GPUs per replica (tensor/pipeline) or quantization")
@@ -277,20 +285,20 @@ def plan(shape: ModelShape, cluster: ClusterSpec, *, dtype: str = "auto", max_mo
 def config_options(cfg: DeploymentConfig) -> dict[str, Any]:
     """The planner's settings from a deployment file: model.dtype, model.max_model_len, model.quantization,
     engine.env VLLM_CPU_KVCACHE_SPACE, and engine.args --gpu-memory-utilization, --kv-cache-dtype,
-    --max-num-batched-tokens, --max-num-seqs."""
+    --kv-cache-memory-bytes, --max-num-batched-tokens, --max-num-seqs."""
     args = cfg.engine.args
     options: dict[str, Any] = {"quantization": cfg.model.quantization, "dtype": cfg.model.dtype,
                                "max_model_len": cfg.model.max_model_len,
                                "gpu_memory_utilization": float(engine_arg(args, "--gpu-memory-utilization") or 0.9)}
     for flag, key, kind in (("--kv-cache-dtype", "kv_cache_dtype", str), ("--max-num-batched-tokens", "max_num_batched_tokens", int),
-                            ("--max-num-seqs", "max_num_seqs", int)):
+                            ("--max-num-seqs", "max_num_seqs", int), ("--kv-cache-memory-bytes", "kv_cache_bytes_per_worker", int)):
         value = engine_arg(args, flag)
         if value is not None:
             options[key] = kind(value)
     if "--enforce-eager" in args:
         options["enforce_eager"] = True
     space = cfg.engine.env.get("VLLM_CPU_KVCACHE_SPACE")
-    if space is not None:
+    if space is not None and not cfg.on_gpu:  # vLLM on CPU takes it over --kv-cache-memory-bytes
         options["kv_cache_bytes_per_worker"] = int(float(space) * GIB)
     options.update(load_options(cfg, options.get("max_num_seqs", PlanSettings.max_num_seqs)))
     return options

@@ -38,16 +38,34 @@ def stop(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
         proc.wait()
 
 
+# Ports for listeners a test is about to start, between Ray's worker ports (10002-19999 by default) and the
+# kernel's ephemeral range: a port the kernel handed out (bind to 0) is also where it puts the source port
+# of the next outgoing connection, so another test's client took one of a 40-port farm's before the farm
+# bound it, and a local deployment found the port after its router's taken.
+LISTEN_FLOOR = 20000
+
+
+def _first_ephemeral() -> int:
+    return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+
+
 def ports_to_listen_on(count: int, host: str = "127.0.0.1") -> list[int]:
-    """count ports free now for a process about to listen on them, drawn below the kernel's ephemeral range:
-    a port the kernel handed out (bind to 0) is also where it puts the source port of the next outgoing
-    connection, so another test's client took one of a 40-port farm's before the farm bound it."""
-    first_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    candidates = random.sample(range(10000, first_ephemeral), min(first_ephemeral - 10000, 50 * count))
+    """count ports free now for a process about to listen on them (not necessarily consecutive)."""
+    first_ephemeral = _first_ephemeral()
+    candidates = random.sample(range(LISTEN_FLOOR, first_ephemeral), min(first_ephemeral - LISTEN_FLOOR, 50 * count))
     ports = list(itertools.islice((port for port in candidates if _bindable(host, port)), count))
     if len(ports) < count:
         raise RuntimeError(f"fewer than {count} free ports below {first_ephemeral}")
     return ports
+
+
+def port_block(count: int, host: str = "127.0.0.1") -> int:
+    """The first of count consecutive ports free now (a deployment's router and replicas: serve.port + i)."""
+    first_ephemeral = _first_ephemeral()
+    for base in random.sample(range(LISTEN_FLOOR, first_ephemeral - count), 200):
+        if all(_bindable(host, port) for port in range(base, base + count)):
+            return base
+    raise RuntimeError(f"no {count} consecutive free ports below {first_ephemeral}")
 
 
 def _bindable(host: str, port: int) -> bool:
