@@ -1,20 +1,25 @@
-"""Time to the first completion of one vLLM (CPU) engine of the builtin tiny model, by how its one worker runs:
+"""Time to the first completion of one vLLM (CPU) engine of the builtin tiny model, two ways compared:
 
-    flock /tmp/hpcserve-heavy.lock .venv/bin/python benchmarks/engine_start.py --rounds 2 [--bind auto]
+    flock /tmp/hpcserve-heavy.lock .venv/bin/python benchmarks/engine_start.py --rounds 2 [--bind auto] [--compare kv]
 
+--compare executor (default): how its one worker runs, with a 1 GiB KV cache
   mp   vLLM on CPU's default for `--distributed-executor-backend uni`: it turns uni into mp, so the worker
        is a process of its own (API server, engine core, worker: three imports of torch and vLLM)
   uni  VLLM_ENABLE_V1_MULTIPROCESSING=0, as hpcserve starts a one-worker replica on CPU
        (deployment/replicas.py): the worker runs in the engine core's process (two processes)
+--compare kv: uni, with the KV cache the examples had (VLLM_CPU_KVCACHE_SPACE=1, 1 GiB) and the one they
+  and the tests have now (--kv-cache-memory-bytes 64 MiB): vLLM on CPU allocates the whole cache at start.
 
 Alternating, fresh processes each time, eager mode (the sandbox tests' setting). Prints seconds to the first
-completion and the mean time of 20 short completions after it (the serving speed must not change).
+completion, vLLM's own "init engine (profile, create kv cache, warmup model)" seconds, and the mean time of
+20 short completions after it (the serving speed must not change).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -27,17 +32,24 @@ import httpx
 from hpcserve.core.net import free_loopback_port
 from hpcserve.models.tiny import tiny_model_path
 
-MODES = {"mp": {}, "uni": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}
+UNI = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+GIB_KV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+# variant -> (environment, extra vLLM arguments)
+COMPARISONS = {
+    "executor": {"mp": (GIB_KV, []), "uni": ({**GIB_KV, **UNI}, [])},
+    "kv": {"kv-1GiB": ({**GIB_KV, **UNI}, []), "kv-64MiB": (UNI, ["--kv-cache-memory-bytes", str(64 * 2**20)])},
+}
+INIT_LINE = re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([0-9.]+) s")
 
 
-def start_once(model: str, extra_env: dict[str, str], bind: str, log: Path) -> tuple[float, float]:
+def start_once(model: str, extra_env: dict[str, str], extra_args: list[str], bind: str, log: Path) -> tuple[float, float]:
     port = free_loopback_port()
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": bind, **extra_env}
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": bind, **extra_env}
     if bind == "nobind":
         env["OMP_NUM_THREADS"] = "1"
     argv = [sys.executable, "-m", "hpcserve.engine.vllm_cli", "serve", model, "--served-model-name", "tiny",
             "--port", str(port), "--distributed-executor-backend", "uni", "--dtype", "float32",
-            "--max-model-len", "512", "--enforce-eager"]
+            "--max-model-len", "512", "--enforce-eager", *extra_args]
     url = f"http://127.0.0.1:{port}/v1/completions"
     started = time.monotonic()
     with open(log, "w") as out:
@@ -70,14 +82,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--bind", default="nobind", help="VLLM_CPU_OMP_THREADS_BIND: nobind (the sandbox's) or auto")
+    parser.add_argument("--compare", choices=sorted(COMPARISONS), default="executor")
     args = parser.parse_args()
     model = str(tiny_model_path())
     logs = Path(tempfile.mkdtemp(prefix="engine-start-"))
     for round_ in range(args.rounds):
-        for mode, extra in MODES.items():
-            first, per_request = start_once(model, extra, args.bind, logs / f"{mode}-{round_}.log")
-            print(f"{mode:4} round {round_}: first completion after {first:5.1f} s; "
-                  f"then {per_request * 1000:.0f} ms per 16-token completion", flush=True)
+        for variant, (extra_env, extra_args) in COMPARISONS[args.compare].items():
+            log = logs / f"{variant}-{round_}.log"
+            first, per_request = start_once(model, extra_env, extra_args, args.bind, log)
+            init = INIT_LINE.search(log.read_text())
+            print(f"{variant:8} round {round_}: first completion after {first:5.1f} s (init engine "
+                  f"{init.group(1) if init else '?'} s); then {per_request * 1000:.0f} ms per 16-token completion",
+                  flush=True)
     print(f"logs: {logs}")
 
 

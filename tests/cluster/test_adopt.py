@@ -51,12 +51,12 @@ class Request:
 
 
 class Load:
-    """Open loop: a request every 1/RATE s whatever the answers (a client that waits for answers would
+    """Open loop: a request every 1/rate s whatever the answers (a client that waits for answers would
     send fewer while the endpoint is down), each recorded with wall-clock times. Bounded by stop() and
     by limit_s."""
 
-    def __init__(self, url: str, key: str, limit_s: float = 900):
-        self.url, self.key, self.limit_s = url, key, limit_s
+    def __init__(self, url: str, key: str, limit_s: float = 900, rate: float = RATE):
+        self.url, self.key, self.limit_s, self.rate = url, key, limit_s, rate
         self.requests: list[Request] = []
         self.stopped = threading.Event()
         self.client = httpx.Client(timeout=120, trust_env=False)
@@ -69,7 +69,7 @@ class Load:
         next_at = time.monotonic()
         while not self.stopped.is_set() and time.monotonic() < deadline:
             self.pool.submit(self._one)
-            next_at += 1 / RATE
+            next_at += 1 / self.rate
             self.stopped.wait(max(0.0, next_at - time.monotonic()))
 
     def _one(self) -> None:

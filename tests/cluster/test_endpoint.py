@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 from helpers import HPCSERVE, SMALL_KV_CACHE, write_config
+from test_adopt import Load
 from test_distributed_serving import deployed, status_of
 
 from hpcserve.engine.metrics import FINISHED, parse_engine_metrics, total
@@ -102,17 +103,16 @@ def test_endpoint_scales_with_the_queue_and_drains_when_idle(slurm_env, tmp_path
                           results_dir=str(tmp_path / "results"), serve={"port": 8600},
                           parallelism={"tensor": 1, "pipeline": 1, "replicas": 1},
                           engine={"args": ["--enforce-eager", "--max-num-seqs", "2", *SMALL_KV_CACHE]},
-                          # Idle for 30 s: the steady load's gaps at one replica (Poisson, 0.25/s each) stay
-                          # below that (a gap of 15 s would occur in about one run of three).
+                          # Idle for 30 s: the steady load (a request every 2 s) leaves no such gap.
                           autoscale={"min": 1, "max": 2, "target_queue": 2, "scale_up_after_s": 5,
                                      "scale_down_after_s": 30})
-    with deployed(config, "sb-scale"):
+    with deployed(config, "sb-scale") as status:
         started = time.time()
         # The ramp: a burst far above one replica's capacity until the controller scales up (a fixed burst
         # ended before the queue had been long for 5 s once the engine answered 240 requests in 11 s), then
-        # light steady load while the added replica loads and joins (about a minute here, eager), then
-        # nothing. (Under a long burst, a second replica needs minutes to load here: both cores are busy with
-        # the first one's engine.)
+        # light steady load while the added replica loads and joins (about a minute here, eager) and a little
+        # after, then nothing. (Under a long burst, a second replica needs minutes to load here: both cores are
+        # busy with the first one's engine.)
         burst = start_bench("sb-scale", tmp_path / "burst.json", "--concurrency", "12", "--num-prompts", "5000",
                             "--output-len", "32")
         try:
@@ -122,11 +122,15 @@ def test_endpoint_scales_with_the_queue_and_drains_when_idle(slurm_env, tmp_path
             burst.communicate(timeout=60)
         assert "waiting per replica" in up["reason"]
         assert "launch scale-up" in [d["action"] for d in decisions("sb-scale")]
-        steady = start_bench("sb-scale", tmp_path / "steady.json", "--request-rate", "0.5", "--num-prompts", "60")
-        wait_decision("sb-scale", "join", up["time"], timeout=480)
-        assert len(serving_members("sb-scale")) == 2
-        requests = finish_bench(steady, tmp_path / "steady.json")
-        assert all(r["ok"] for r in requests), [r["error"] for r in requests if not r["ok"]][:3]
+        # Open loop, 0.5 requests/s, until 10 s after the join (a fixed count of 60 ran 80 s past it)
+        steady = Load(status["endpoint"], os.environ["HPCSERVE_API_KEY"], rate=0.5)
+        try:
+            joined = wait_decision("sb-scale", "join", up["time"], timeout=480)
+            assert len(serving_members("sb-scale")) == 2
+            time.sleep(max(0.0, joined["time"] + 10 - time.time()))  # the load window, not a wait for a state
+        finally:
+            requests = steady.stop()
+        assert requests and all(r.ok for r in requests), [(r.sent - joined["time"], r.error) for r in requests if not r.ok][:3]
         idle = time.time()
         drained = wait_decision("sb-scale", "leave", idle, timeout=120, text="drained")
         assert "idle" in drained["reason"]
