@@ -24,7 +24,8 @@ def free_port(block: int = 3) -> int:
 RESULTS_DIRS: list[Path] = []  # results folders of deployments several tests share: where to look on failure
 HPCSERVE = [sys.executable, "-m", "hpcserve.cli"]
 # The tiny model's KV cache in the tests' engines (16,384 tokens): vLLM on CPU allocates its whole cache at
-# start, 7-10 s per GiB on this machine (docs/testing.md). Overrides of engine.args repeat it.
+# start (up to 7-10 s per GiB on this machine, with its memory in use: docs/testing.md). Overrides of
+# engine.args repeat it.
 SMALL_KV_CACHE = ["--kv-cache-memory-bytes", str(64 * 2**20)]
 
 
