@@ -190,18 +190,19 @@ def _evaluate(shape: ModelShape, layout: Layout, cluster: ClusterSpec, s: PlanSe
     weights = weights_bytes_per_worker(shape, layout.tensor, layout.pipeline, s.dtype, s.quantization)
     if cluster.gpus_per_node:
         reserve = reserve_bytes_per_worker(shape, layout, s)
-        budget = cluster.gpu_memory_gb * GIB * s.gpu_memory_utilization
-        kv = int(budget - weights - reserve)
-        if s.kv_cache_bytes_per_worker is not None:
-            kv, budget = s.kv_cache_bytes_per_worker, cluster.gpu_memory_gb * GIB
-            if weights + reserve + kv > budget:
+        if s.kv_cache_bytes_per_worker is not None:  # vLLM's --kv-cache-memory-bytes: the cache is that size
+            kv = s.kv_cache_bytes_per_worker
+            if weights + reserve + kv > cluster.gpu_memory_gb * GIB:
                 problems.append(f"too little memory: {weights / GIB:.1f} GiB of weights + {reserve / GIB:.1f} GiB reserve + "
                                 f"{kv / GIB:.1f} GiB of KV cache (--kv-cache-memory-bytes) per GPU exceed "
                                 f"{cluster.gpu_memory_gb:g} GiB; lower --kv-cache-memory-bytes or use more GPUs per replica")
-        elif kv <= 0:
-            problems.append(f"too little memory: {weights / GIB:.1f} GiB of weights + {reserve / GIB:.1f} GiB reserve per GPU "
-                            f"exceed {budget / GIB:.1f} GiB ({s.gpu_memory_utilization:g} x {cluster.gpu_memory_gb:g} GiB); "
-                            "use more GPUs per replica (tensor/pipeline) or quantization")
+        else:
+            budget = cluster.gpu_memory_gb * GIB * s.gpu_memory_utilization
+            kv = int(budget - weights - reserve)
+            if kv <= 0:
+                problems.append(f"too little memory: {weights / GIB:.1f} GiB of weights + {reserve / GIB:.1f} GiB reserve per GPU "
+                                f"exceed {budget / GIB:.1f} GiB ({s.gpu_memory_utilization:g} x {cluster.gpu_memory_gb:g} GiB); "
+                                "use more GPUs per replica (tensor/pipeline) or quantization")
     else:
         reserve, kv = 0, s.kv_cache_bytes_per_worker or 4 * GIB
     per_token = kv_bytes_per_token_per_worker(shape, layout.tensor, layout.pipeline, s.dtype, s.kv_cache_dtype)
