@@ -16,14 +16,15 @@ from hpcserve.core.config import parse_config
 from hpcserve.deployment.preflight import check_walltime, walltime_check
 from hpcserve.doctor.checks import Captured, check_time
 from hpcserve.doctor.findings import Severity
+from hpcserve.endpoint.handover import Handover
 from hpcserve.planning.walltime import WalltimeCheck, handover_lead_s, slurm_time_text
 from hpcserve.slurm.parse import WillRun
 
 CAPTURED = Path(__file__).parents[1] / "slurm" / "data" / "captured"
 
 
-def config(time: str, router: bool = True, scheduler: str = "slurm"):
-    return parse_config({"name": "w", "model": {"path": "org/m"}, "serve": {"router": router},
+def config(time: str, router: bool = True, scheduler: str = "slurm", **serve):
+    return parse_config({"name": "w", "model": {"path": "org/m"}, "serve": {"router": router, **serve},
                          "cluster": {"scheduler": scheduler, "time": time}})
 
 
@@ -58,6 +59,17 @@ def test_preflight_estimates_before_any_measurement_and_counts_slurms_queue():
     for unchecked in (config("4", router=False), config("UNLIMITED"), config("4", scheduler="local")):
         assert walltime_check(unchecked, "org/m", None, 0.0) is None
     check_walltime(None, "w.yaml")
+
+
+def test_a_startup_measured_on_the_users_cluster_replaces_the_estimate_until_this_deployment_measures_one():
+    stated = config("4", startup_s=45)
+    check = walltime_check(stated, "org/m", None, now=0.0)
+    assert (check.startup_s, check.startup_basis) == (45, "serve.startup_s")
+    assert check.enough  # 1.5 x 45 + 60 = 128 s of lead in a 240 s job
+    assert walltime_check(stated, "org/m", None, 0.0, (212.0, "measured under load: m1 212 s")).startup_s == 212
+    assert {f.severity for f in check_time(stated, None)} == {Severity.WARNING}  # serves, if under 10 minutes
+    assert Handover(stated).startup_estimate.basis == "serve.startup_s"
+    assert Handover(config("4")).startup_estimate.seconds == 120
 
 
 def test_doctor_blocks_with_the_walltime_that_works_and_reads_slurms_queue_estimate():

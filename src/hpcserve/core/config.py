@@ -145,6 +145,10 @@ class ServeSpec(Strict):
     handover_s: float | None = Field(None, gt=0, description="Slurm: submit a job's successor at least this long "
                                      "before its time limit; the lead is timed from Slurm's queue estimate and the "
                                      "measured startups (docs/endpoint.md)")
+    startup_s: float | None = Field(None, gt=0, description="Slurm: a member's startup (job start to serving) as "
+                                    "measured on your cluster, for walltime handovers before this deployment "
+                                    "measured one (default: 120 s + the weights read at 500 MB/s); `up` judges "
+                                    "cluster.time by it, and the startups measured later replace it")
     routing: Routing = Field(Routing.PREFIX, description="how the endpoint picks a replica: prefix (the default: "
                              "a session's or a prompt prefix's requests to the replica that holds its KV cache, "
                              "bounded to 1.25 x a replica's share of what is in flight; 1.5 x the throughput of "

@@ -33,6 +33,15 @@ def port_free(port: int, host: str = "0.0.0.0") -> bool:
     return True
 
 
+def first_ephemeral_port() -> int:
+    """The first of this machine's ephemeral ports: the kernel takes the source port of every outgoing
+    connection from there, so a port a server will listen on later belongs below it."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_loopback_port() -> int:
     """A port nothing listens on now, chosen by the kernel."""
     with socket.socket() as sock:

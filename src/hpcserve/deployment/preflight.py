@@ -17,7 +17,7 @@ from hpcserve.core.registry import check_home
 from hpcserve.models.tiny import tiny_model_path
 from hpcserve.planning.catalog import lookup, resolve_config
 from hpcserve.planning.planner import layout_for
-from hpcserve.planning.walltime import LOAD_BASE_S, READ_BYTES_PER_S, WalltimeCheck, estimated_startup_s
+from hpcserve.planning.walltime import WalltimeCheck, startup_before_measurement
 from hpcserve.slurm.parse import WillRun, slurm_epoch, time_limit_seconds
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -120,16 +120,13 @@ def weight_bytes(model_path: str | None) -> int | None:
 def walltime_check(cfg: DeploymentConfig, model_path: str, will_run: WillRun | None, now: float,
                    measured: tuple[float, str] | None = None) -> WalltimeCheck | None:
     """The walltime handover's room (planning.walltime) for an endpoint on Slurm with a time limit, else None.
-    measured: (startup, where it was measured), e.g. the last run's members; else estimated from the weights.
+    measured: (startup, where it was measured), e.g. the last run's members; else serve.startup_s or
+    estimated from the weights.
     will_run: Slurm's answer to `sbatch --test-only` for one member (its queue wait now)."""
     walltime = time_limit_seconds(cfg.cluster.time)
     if cfg.cluster.scheduler != "slurm" or not cfg.serve.router or walltime is None:
         return None
-    if measured is None:
-        size = weight_bytes(model_path)
-        what = f"{size / 1e9:.1f} GB of weights" if size else "no local weights"
-        measured = (estimated_startup_s(size), f"estimated before any measurement: {LOAD_BASE_S:.0f} s + {what} at "
-                                               f"{READ_BYTES_PER_S / 1e6:.0f} MB/s")
+    measured = measured or startup_before_measurement(weight_bytes(model_path), cfg.serve.startup_s)
     start = slurm_epoch(will_run.start) if will_run else None
     queue = max(0.0, start - now) if start is not None else 0.0
     return WalltimeCheck(walltime, measured[0], queue, measured[1],

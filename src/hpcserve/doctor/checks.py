@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from hpcserve.core.config import DeploymentConfig
 from hpcserve.doctor.findings import Finding, blocker, info, ok, warning
-from hpcserve.planning.walltime import LOAD_BASE_S, READ_BYTES_PER_S, WalltimeCheck, estimated_startup_s
+from hpcserve.planning.walltime import WalltimeCheck, startup_before_measurement
 from hpcserve.slurm.parse import SlurmParseError, parse_test_only, slurm_epoch
 
 SLURM_COMMANDS = ("sbatch", "squeue", "sinfo", "srun", "scontrol")
@@ -226,27 +226,22 @@ def check_accounting(cfg: DeploymentConfig, assoc: Captured, enforce: str) -> li
 
 # ---------------------------------------------------------------- time
 
-def expected_load_s(weight_bytes: int | None) -> float:
-    return estimated_startup_s(weight_bytes)
-
-
 def check_time(cfg: DeploymentConfig, weight_bytes: int | None, test_only: Captured | None = None,
                now: float | None = None) -> list[Finding]:
     """The walltime against the expected start-up and, behind an endpoint on Slurm, against the walltime
     handover (planning.walltime; the queue wait from `sbatch --test-only`'s estimate when given)."""
     limit = slurm_seconds(cfg.cluster.time)
-    load = expected_load_s(weight_bytes)
-    size = f"{weight_bytes / 1e9:.1f} GB of weights" if weight_bytes else "weights of unknown size"
+    load, basis = startup_before_measurement(weight_bytes, cfg.serve.startup_s)
     if limit is None:
         return [ok("time", "no time limit")]
-    handover = handover_check(cfg, limit, load, size, test_only, now)
+    handover = handover_check(cfg, limit, load, basis, test_only, now)
     if handover is not None and not handover.enough:
         works = max(handover.walltime_that_works_s, load + SERVE_MARGIN_S)
         return [blocker("time", handover.what("cluster.time"), f"set cluster.time to at least {minutes(works)}")]
     if limit <= load:
         return [blocker("time", f"cluster.time = {cfg.cluster.time} ({limit / 60:.0f} min) is shorter than the expected "
-                        f"start-up (~{load / 60:.0f} min: {size} at {READ_BYTES_PER_S / 1e6:.0f} MB/s + "
-                        f"{LOAD_BASE_S:.0f} s)", f"set cluster.time to at least {minutes(load + SERVE_MARGIN_S)}")]
+                        f"start-up (~{load / 60:.0f} min, {basis})",
+                        f"set cluster.time to at least {minutes(load + SERVE_MARGIN_S)}")]
     findings = []
     if limit < load + SERVE_MARGIN_S:
         findings.append(warning("time", f"cluster.time = {cfg.cluster.time} leaves under {SERVE_MARGIN_S / 60:.0f} min "
@@ -261,7 +256,7 @@ def check_time(cfg: DeploymentConfig, weight_bytes: int | None, test_only: Captu
                                    + handed)]
 
 
-def handover_check(cfg: DeploymentConfig, limit: float, load: float, size: str, test_only: Captured | None,
+def handover_check(cfg: DeploymentConfig, limit: float, load: float, basis: str, test_only: Captured | None,
                    now: float | None) -> WalltimeCheck | None:
     """Behind an endpoint on Slurm every job is handed over to a successor before its limit."""
     if not cfg.hands_over:
@@ -274,7 +269,6 @@ def handover_check(cfg: DeploymentConfig, limit: float, load: float, size: str, 
             start = None
         if start is not None:
             queue, queue_basis = max(0.0, start - now), "Slurm's estimate, sbatch --test-only"
-    basis = f"estimated: {LOAD_BASE_S:.0f} s + {size} at {READ_BYTES_PER_S / 1e6:.0f} MB/s"
     return WalltimeCheck(limit, load, queue, basis, queue_basis)
 
 

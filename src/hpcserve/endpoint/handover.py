@@ -64,6 +64,8 @@ class Handover:
         self.on_slurm = cfg.cluster.scheduler == "slurm"
         self.ahead = cfg.hands_over  # off: no successor before a job's end, one at its end (orphans)
         self.configured_lead_s = cfg.serve.handover_s
+        self.startup_estimate = (Estimate(cfg.serve.startup_s, "serve.startup_s") if cfg.serve.startup_s
+                                 else Estimate(LOAD_BASE_S, "estimated: none measured"))
         self.walltime_s = time_limit_seconds(cfg.cluster.time)
         self.clock = clock
         self.queue: dict[int, Estimate] = {}  # replica group -> the wait Slurm expects for a successor
@@ -233,7 +235,7 @@ class Handover:
 
     def planned_lead(self, ctl: ControlPlane, group: int) -> Lead:
         startups = recent_startups(ctl.members, group) or recent_startups(ctl.members, None)
-        startup = expected_startup(startups, Estimate(LOAD_BASE_S, "estimated: none measured"))
+        startup = expected_startup(startups, self.startup_estimate)
         queue = self.queue.get(group, Estimate(0.0, "not asked yet"))
         return Lead(queue, startup, self.configured_lead_s)
 

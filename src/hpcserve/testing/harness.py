@@ -16,6 +16,8 @@ from typing import TypeVar
 
 import httpx
 
+from hpcserve.core.net import first_ephemeral_port
+
 T = TypeVar("T")
 
 
@@ -45,13 +47,9 @@ def stop(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
 LISTEN_FLOOR = 20000
 
 
-def _first_ephemeral() -> int:
-    return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-
-
 def ports_to_listen_on(count: int, host: str = "127.0.0.1") -> list[int]:
     """count ports free now for a process about to listen on them (not necessarily consecutive)."""
-    first_ephemeral = _first_ephemeral()
+    first_ephemeral = first_ephemeral_port()
     candidates = random.sample(range(LISTEN_FLOOR, first_ephemeral), min(first_ephemeral - LISTEN_FLOOR, 50 * count))
     ports = list(itertools.islice((port for port in candidates if _bindable(host, port)), count))
     if len(ports) < count:
@@ -61,7 +59,7 @@ def ports_to_listen_on(count: int, host: str = "127.0.0.1") -> list[int]:
 
 def port_block(count: int, host: str = "127.0.0.1") -> int:
     """The first of count consecutive ports free now (a deployment's router and replicas: serve.port + i)."""
-    first_ephemeral = _first_ephemeral()
+    first_ephemeral = first_ephemeral_port()
     for base in random.sample(range(LISTEN_FLOOR, first_ephemeral - count), 200):
         if all(_bindable(host, port) for port in range(base, base + count)):
             return base
