@@ -58,8 +58,9 @@ def sandbox():
 
 
 # ---------------------------------------------------------------- side by side (pytest-xdist)
-# bash scripts/test.sh runs the suite on two workers (their waits overlap: a handover waiting for its jobs'
-# end beside a TP start; the fast tests fill the gaps at the end). Each worker has a sandbox of its own (namespaces, bridge,
+# HPCSERVE_TEST_WORKERS=2 bash scripts/test.sh runs the suite on two workers (their waits overlap: a handover
+# waiting for its jobs' end beside a TP start; the fast tests fill the gaps at the end; CI runs the engine and
+# sandbox tests in one process until a two-worker run passes whole). Each worker has a sandbox of its own (namespaces, bridge,
 # Slurm, munge), so their jobs never meet; the first keeps the default one, whose names (hsn1, 198.18.0.11)
 # some tests spell out: those run on it (PINNED). Tests that share a deployment run on one worker (GROUPS),
 # so that the two workers end together (durations: docs/testing.md).
@@ -85,10 +86,10 @@ def sandbox_settings(index: int) -> dict:
 GROUPS = [
     "tests/cluster/test_handover.py",
     "tests/cluster/test_distributed_serving.py",
+    "tests/cluster/test_endpoint.py",  # before the adoption test's node kills (a node died in the scaling test after)
     "tests/cluster/test_slurm_ray.py",
     "tests/cluster/test_adopt.py",
     "tests/cluster/test_two_replicas.py",
-    "tests/cluster/test_endpoint.py",
     "tests/cluster/test_hostile_user.py",
     "tests/doctor/test_doctor_sandbox.py",
     "tests/local/",  # one local deployment for every module; test_zz_down.py ends it
