@@ -58,9 +58,8 @@ def sandbox():
 
 
 # ---------------------------------------------------------------- side by side (pytest-xdist)
-# HPCSERVE_TEST_WORKERS=2 bash scripts/test.sh runs the suite on two workers (their waits overlap: a handover
-# waiting for its jobs' end beside a TP start; the fast tests fill the gaps at the end; CI runs the engine and
-# sandbox tests in one process until a two-worker run passes whole). Each worker has a sandbox of its own (namespaces, bridge,
+# `bash scripts/test.sh` (CI) runs the suite on two workers (their waits overlap: a handover waiting for its
+# jobs' end beside a TP start; the fast tests fill the gaps). Each worker has a sandbox of its own (namespaces, bridge,
 # Slurm, munge), so their jobs never meet; the first keeps the default one, whose names (hsn1, 198.18.0.11)
 # some tests spell out: those run on it (PINNED). Tests that share a deployment run on one worker (GROUPS),
 # so that the two workers end together (durations: docs/testing.md).
@@ -79,23 +78,26 @@ def sandbox_settings(index: int) -> dict:
 
 
 # Groups of test files that must run on one worker, in the order their scopes are handed out; every other
-# file is a group of its own, after these. Measured on two workers (2026-12-03, seconds): handover 370-490,
-# distributed serving 500, slurm_ray 190, adoption 230, endpoint 250, local 200, site profiles 120, router
-# 100, scale 110. The handover test (mostly waiting for its jobs' end) starts on gw1 while gw0 starts the
-# CPU-heavy TP/PP tests; PINNED files come early, so that gw0 is not left with them while gw1 runs dry.
+# file is a group of its own, after these. Measured on two workers (2026-12-03, seconds): handover 470,
+# distributed serving 400, adoption 365, slurm_ray 205 (70 of it the time-limit test, half idle), two
+# replicas 165, endpoint scaling 155 (a third idle), local 250, site profiles 210, router 140, rolling
+# handover with stand-ins 110 (half idle). The order pairs the tests that mostly wait with CPU-heavy ones on
+# the other worker: the handover test (gw1) with gw0's TP/PP starts, the scaling test with the two-replica
+# deployment, the time-limit and rolling-handover tests with the adoption test. PINNED files come early,
+# so that gw0 is not left with them while gw1 runs dry; at the end the fast files fill the gaps.
 GROUPS = [
     "tests/cluster/test_handover.py",
     "tests/cluster/test_distributed_serving.py",
     "tests/cluster/test_endpoint.py",  # before the adoption test's node kills (a node died in the scaling test after)
+    "tests/cluster/test_two_replicas.py",
     "tests/cluster/test_slurm_ray.py",
     "tests/cluster/test_adopt.py",
-    "tests/cluster/test_two_replicas.py",
+    "tests/cluster/test_scale_sandbox.py",
     "tests/cluster/test_hostile_user.py",
     "tests/doctor/test_doctor_sandbox.py",
     "tests/local/",  # one local deployment for every module; test_zz_down.py ends it
     "tests/cluster/test_site_profiles.py",
     "tests/endpoint/test_router_vllm.py",
-    "tests/cluster/test_scale_sandbox.py",
 ]
 # It compares hpcserve's benchmark figures with vLLM's own client on one server: under the other worker's
 # load hpcserve's client (heavier) reported 0.80 of vLLM's req/s; alone, within 5 %. Run when nothing else does.

@@ -2,7 +2,8 @@
 endpoint, and not one failed request.
 
 Two replicas (one job each, whole nodes) whose jobs end together; the third node, the only one left for
-a successor, is held by another user's job until a minute before they end (Slurm's queue says so). The
+a successor, is held by another user's job that Slurm's queue expects to run past their end and that ends
+half a minute before it (so every successor serves after its predecessor was drained, however fast). The
 controller hands over one at a time, times the successors from Slurm's queue estimate and the measured
 startups, keeps both old replicas serving until the last seconds of their jobs (drained then, so that
 Slurm's TERM cuts nothing), and the data plane holds new requests (serve.hold_s) while no replica is in
@@ -36,7 +37,10 @@ HERE = Path(__file__).parent
 # assumes every job runs to its limit, + 1.5 x startup + 60 s) has come as soon as it serves, so it is
 # handed over at once and the successors do not serve at the end; on 4-minute jobs too.
 WALLTIME_MIN = 6
-BUSY_UNTIL_S = 60  # the spare nodes are held until this long before the replicas' jobs end
+# The spare nodes are freed this long before the replicas' jobs end: less than END_DRAIN_S + the fastest
+# startup (38 s seen), so that the old replicas are drained before a successor serves. Freed 64 s before the
+# end (the busy job's own time limit), a 41 s startup served 3 s before the drain (CI, 2026-12-03).
+BUSY_UNTIL_S = 30
 # HPCSERVE_HANDOVER_REPLICAS=1,2 runs the one-replica variant too.
 REPLICAS = [int(r) for r in os.environ.get("HPCSERVE_HANDOVER_REPLICAS", "2").split(",") if r]
 
@@ -103,7 +107,7 @@ def job_of(member: dict) -> str:
 
 
 def cancel_at(env: dict, job: str, at: float) -> threading.Thread:
-    """The job ends at its EndTime exactly (Slurm itself ends it up to half a minute later)."""
+    """The job ends at `at` exactly (Slurm's own time limit acts up to half a minute late)."""
     def cancel() -> None:
         time.sleep(max(0.0, at - time.time()))
         subprocess.run(["scancel", job], env=env, timeout=30)
@@ -149,19 +153,18 @@ def test_handover_under_load_with_a_busy_partition_fails_no_request(slurm_env, t
                           parallelism={"tensor": 1, "pipeline": 1, "replicas": replicas},
                           cluster={"scheduler": "slurm", "nodes": replicas, "gpus_per_node": 0, "cpus_per_node": 1,
                                    "time": str(WALLTIME_MIN), "sbatch_extra": ["--exclusive"]})
-    busy = hold_nodes(env, 3 - replicas, WALLTIME_MIN - 1)
+    busy = hold_nodes(env, 3 - replicas, WALLTIME_MIN)
     try:
         deadline = time.monotonic() + 60
         while job_field(env, busy, "T") != "RUNNING":
             assert time.monotonic() < deadline, f"the blocking job {busy} did not start"
             time.sleep(1)
-        busy_ends = slurm_epoch(job_field(env, busy, "e"))
         with deployed(config, name) as status:
             # The successors may be launched already (the walltime is short: at once), still pending
             initial = [m for m in status["members"] if m["role"] == "initial"]
             first = [m["name"] for m in initial]
             ends = min(slurm_epoch(job_field(env, job_of(m), "e")) for m in initial)
-            cancel_at(env, busy, busy_ends)
+            cancel_at(env, busy, ends - BUSY_UNTIL_S)
             seen = Decisions(name)
             clients = Clients(status["endpoint"], os.environ["HPCSERVE_API_KEY"])
             try:

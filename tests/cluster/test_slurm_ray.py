@@ -63,6 +63,9 @@ def test_three_nodes_form_one_ray_cluster_and_pass_the_check(slurm_env, tmp_path
     for node in ("hsn1", "hsn2", "hsn3"):
         assert (run_dir / "nodes" / node / "ray-start.log").is_file()
         assert (run_dir / "nodes" / node / "ray").is_dir(), f"{node}'s Ray logs were not collected"
+    # Nothing a fixed allocation does not need: no log monitor, no autoscaler monitor (each would have its log)
+    head_logs = [p.name for p in (run_dir / "nodes" / "hsn1" / "ray").iterdir()]
+    assert not [n for n in head_logs if n.startswith(("monitor.", "log_monitor."))], head_logs
     assert squeue_empty(slurm_env)
 
 

@@ -23,7 +23,10 @@ def cpu_platform(monkeypatch):
     module = types.ModuleType("vllm.platforms.cpu")
     module.CpuPlatform = CpuPlatform
     monkeypatch.setitem(sys.modules, "vllm.platforms.cpu", module)
-    monkeypatch.delenv(vllm_cli.START_METHOD, raising=False)
+    # Set, then deleted: so that monkeypatch removes what the hook writes (a start method left in this
+    # process's environment reached every engine the later tests started from it)
+    monkeypatch.setenv(vllm_cli.START_METHOD, "")
+    monkeypatch.delenv(vllm_cli.START_METHOD)
     return CpuPlatform
 
 
@@ -35,8 +38,9 @@ def test_engine_processes_fork_after_vllms_cpu_config(cpu_platform, monkeypatch)
     assert os.environ[vllm_cli.START_METHOD] == "fork"
 
 
-def test_a_start_method_the_user_set_is_kept(cpu_platform, monkeypatch):
-    monkeypatch.setenv(vllm_cli.START_METHOD, "spawn")
+@pytest.mark.parametrize("chosen", ["spawn", "fork"])
+def test_a_start_method_the_user_set_is_kept(cpu_platform, monkeypatch, chosen):
+    monkeypatch.setenv(vllm_cli.START_METHOD, chosen)
     vllm_cli._fork_on_cpu()
     cpu_platform.check_and_update_config({})
-    assert os.environ[vllm_cli.START_METHOD] == "spawn"
+    assert os.environ[vllm_cli.START_METHOD] == chosen

@@ -5,7 +5,8 @@ the metadata of a distribution named "vllm". We answer that question from "vllm-
 vLLM's platform detection reads) and then hand over to vLLM's real CLI, so `serve --headless` and every
 other subcommand behave exactly as upstream. Usage: python -m hpcserve.engine.vllm_cli serve MODEL ...
 
-On CPU it also keeps vLLM's default start method for the engine's processes (fork): see _fork_on_cpu.
+On CPU it also keeps vLLM's default start method for the engine's processes (fork), or the one the user
+set: see _fork_on_cpu.
 """
 
 from __future__ import annotations
@@ -41,18 +42,18 @@ def _fork_on_cpu() -> None:
     an engine's 37 to its first completion for the tiny model here (docs/testing.md). Fork, vLLM's
     default elsewhere, inherits them. It is safe while the parent has run no OpenMP parallel region
     (libgomp is not fork-safe): neither the API server nor the engine core runs the model before it
-    starts its children (vLLM's GPU path forks there too). A start method the user sets is kept."""
-    if START_METHOD in os.environ:
-        return
+    starts its children (vLLM's GPU path forks there too). A start method the user set is what vLLM
+    gets, fork or spawn (vLLM's hook would turn a user's fork into spawn too)."""
+    chosen = os.environ.get(START_METHOD, "fork")
     from vllm.platforms.cpu import CpuPlatform
 
     check_and_update_config = CpuPlatform.check_and_update_config.__func__
 
-    def keep_fork(cls, vllm_config) -> None:
+    def keep_start_method(cls, vllm_config) -> None:
         check_and_update_config(cls, vllm_config)
-        os.environ[START_METHOD] = "fork"
+        os.environ[START_METHOD] = chosen
 
-    CpuPlatform.check_and_update_config = classmethod(keep_fork)
+    CpuPlatform.check_and_update_config = classmethod(keep_start_method)
 
 
 def main() -> None:
