@@ -2,12 +2,13 @@
 endpoint, and not one failed request.
 
 Two replicas (one job each, whole nodes) whose jobs end together; the third node, the only one left for
-a successor, is held by another user's job that Slurm's queue expects to run past their end and that ends
-half a minute before it (so every successor serves after its predecessor was drained, however fast). The
-controller hands over one at a time, times the successors from Slurm's queue estimate and the measured
-startups, keeps both old replicas serving until the last seconds of their jobs (drained then, so that
-Slurm's TERM cuts nothing), and the data plane holds new requests (serve.hold_s) while no replica is in
-the pool, until the first successor joins. Two clients send requests all along; every one succeeds.
+a successor, is held by another user's job with their time limit (Slurm's queue expects it to end with
+them, seconds earlier) that ends half a minute before they do, so that every successor serves after its
+predecessor was drained. The controller hands over one at a time, times the successors from Slurm's
+queue estimate and the measured startups, keeps both old replicas serving until the last seconds of their
+jobs (drained then, so that Slurm's TERM cuts nothing), and the data plane holds new requests
+(serve.hold_s) while no replica is in the pool, until the first successor joins. Two clients send
+requests all along; every one succeeds.
 
 HPCSERVE_HANDOVER_REPLICAS=1,2 runs it with one replica too (the spare nodes then both held): each
 variant takes about 8 minutes, so the suite runs the two-replica one (which also empties the pool).
