@@ -162,8 +162,14 @@ leftovers() { # a server a killed call left behind would hold the GPU: report it
 }
 start_bg() { # NAME LOG CMD...: a background child (no new session: the device ends it with the call)
   local name=$1 logf=$2; shift 2
-  "$@" > "$logf" 2>&1 &
-  BG=$!; STARTED+=("$BG"); echo "$BG" > "$I20/pid.$name"
+  if [ -n "${I20_KEEP:-}" ]; then # a session of its own: it outlives the call while the machine stays warm
+    setsid "$@" > "$logf" 2>&1 < /dev/null &
+    BG=$!
+  else
+    "$@" > "$logf" 2>&1 &
+    BG=$!; STARTED+=("$BG")
+  fi
+  echo "$BG" > "$I20/pid.$name"
 }
 
 # ------------------------------------------------------------------ gen
@@ -312,13 +318,13 @@ hps_check() { # can the device's python run hpcserve.endpoint.dataplane (its imp
 start_hps() { # POLICY LOG: the data plane on 127.0.0.1:8000, both replicas set over its admin socket
   local i put
   start_bg router "$2" env PYTHONPATH="$SRC" $PY -m hpcserve.endpoint.dataplane --host 127.0.0.1 --port 8000 \
-    --admin-socket "$HPS_SOCK" --policy "$1" --hold-s 30
+    --admin-socket "$HPS_SOCK" --policy "$1" --hold-s 30 ${I20_HPS_ARGS:-}   # e.g. --workers 2
   for i in $(seq 60); do
     curl -sf -m 2 --unix-socket "$HPS_SOCK" http://hps/health >/dev/null && break
     kill -0 "$BG" 2>/dev/null || return 1; sleep 0.5
   done
   put=$(curl -s -m 10 --unix-socket "$HPS_SOCK" -X PUT http://hps/backends -H 'Content-Type: application/json' \
-    -d "{\"backends\":[{\"url\":\"http://127.0.0.1:8001\",\"capacity\":$HPS_CAP},{\"url\":\"http://127.0.0.1:8002\",\"capacity\":$HPS_CAP}]}")
+    -d "{\"backends\":[{\"url\":\"http://127.0.0.1:8001\",\"capacity\":$HPS_CAP${I20_HPS_KV:+,\"kv_tokens\":$I20_HPS_KV}},{\"url\":\"http://127.0.0.1:8002\",\"capacity\":$HPS_CAP${I20_HPS_KV:+,\"kv_tokens\":$I20_HPS_KV}}]}")
   echo "PUT /backends -> $put" >> "$2"
   echo "$put" | grep -q '"backends": *\[{' || return 1
 }
@@ -477,6 +483,8 @@ YAML
   rec phase=baseline ok=$([ $rc = 0 ] && echo true || echo false) rc=$rc seconds=$(since "$t0") "args=${args[*]}"
 }
 
+# Sourced as a library (I20_LIB=1: routing_device.sh), only the settings and functions above are wanted.
+[ -n "${I20_LIB:-}" ] && return 0
 leftovers
 log "phase $PHASE (budget $BUDGET s) on $(hostname); base $BASE"
 case $PHASE in

@@ -1,9 +1,10 @@
 """Issue 20 (3): a shared-prefix load for a pool of vLLM replicas behind a router, streamed.
 
-usage: i20_prefix_client.py --url URL --out OUT.json --seed S [--model m] [--concurrency C] [--session-header]
+usage: i20_prefix_client.py --url URL[,URL2...] --out OUT.json --seed S [--model m] [--concurrency C]
+                             [--session-header] [--kv-tokens K [--replicas 2] [--block 16]]
          --mode prefix    --num-prefixes P --prefix-len L --suffix-len X --output-len O --num-requests N
                           [--request-rate R]
-         --mode multiturn --sessions S --turns T --user-len U --output-len O
+         --mode multiturn --sessions S --turns T --user-len U --output-len O [--api completions|chat]
 
 Why not `vllm bench serve --dataset-name prefix_repetition`: it sends every request with its own
 `x-request-id` header (vllm/benchmarks/lib/endpoint_request_func.py:145 in the 0.26 wheel), and
@@ -25,6 +26,19 @@ token lengths are exact and a shared prefix is a shared string prefix (what cach
 - multiturn: S conversations of T turns; turn k sends the whole history (earlier prompts and answers)
   plus U new tokens and waits for the answer (O tokens) before the next turn; C conversations at a time.
 A few short unrelated warm-up requests go first (not timed, no shared prefix).
+Several URLs (comma-separated): the client itself sends request i to URL i mod n (round robin over the
+replicas, no router: the `direct` baseline).
+--api chat (multiturn): /v1/chat/completions with the conversation as messages (user, assistant, ...);
+the replicas need a chat template that joins the messages' contents with one space each
+(routing_device.sh writes it), so turn k's prompt starts with turn k-1's prompt and answer, token for token.
+--kv-tokens K: the summary also gives best_hit_tokens, the most prefix-cache hit tokens any router could
+get on what was sent (block size --block, --replicas caches of K tokens each; vLLM caches whole blocks):
+  prefix    Belady's optimal eviction on one cache of replicas x K tokens (an upper bound for separate
+            caches), less the blocks the requests in flight hold of their own; the requests in the order sent.
+            When every prefix fits, it is every repeat of a prefix hitting its whole blocks
+            (best_hit_tokens_no_eviction, always given).
+  multiturn every turn after the first hitting the whole blocks of the previous turn's prompt and answer
+            (as the server counted them: usage); an upper bound, reached when nothing is evicted.
 Writes OUT.json (config + summary) and OUT.requests.jsonl (one line per request).
 """
 
@@ -52,15 +66,19 @@ def pct(values: list[float], q: float) -> float | None:
     return v[min(len(v) - 1, round(q / 100 * (len(v) - 1)))]
 
 
-async def complete(session: aiohttp.ClientSession, a, prompt: str, key: str | None,
+async def complete(session: aiohttp.ClientSession, a, prompt: str | list[dict], key: str | None,
                    t0: float | None = None) -> dict:
-    body = {"model": a.model, "prompt": prompt, "max_tokens": a.output_len, "ignore_eos": True,
-            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+    chat = isinstance(prompt, list)  # a conversation's messages: /v1/chat/completions
+    body = {"model": a.model, ("messages" if chat else "prompt"): prompt, "max_tokens": a.output_len,
+            "ignore_eos": True, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
     headers = {"x-session-id": key} if (key is not None and a.session_header) else {}
     t0 = time.perf_counter() if t0 is None else t0
     ttft, text, usage, chunks, err = None, [], None, 0, None
+    url = a.urls[a.sent % len(a.urls)]  # one URL (a router), or the client's own round robin (direct)
+    a.sent += 1
     try:
-        async with session.post(a.url + "/v1/completions", json=body, headers=headers) as r:
+        async with session.post(url + ("/v1/chat/completions" if chat else "/v1/completions"), json=body,
+                                headers=headers) as r:
             if r.status != 200:
                 err = f"HTTP {r.status}: {(await r.text())[:200]}"
             else:
@@ -78,11 +96,12 @@ async def complete(session: aiohttp.ClientSession, a, prompt: str, key: str | No
                         if ttft is None:
                             ttft = time.perf_counter() - t0
                         chunks += 1
-                        text.append(ch.get("text") or "")
+                        text.append((ch.get("delta") or {}).get("content") or "" if chat else ch.get("text") or "")
     except Exception as e:  # noqa: BLE001 -- a failed request is counted, not fatal
         err = f"{type(e).__name__}: {e}"[:200]
     e2e = time.perf_counter() - t0
     out = {"ok": err is None and ttft is not None, "ttft": ttft, "e2e": e2e, "error": err, "chunks": chunks,
+           "url": url[-4:],
            "prompt_tokens": (usage or {}).get("prompt_tokens"),
            "completion_tokens": (usage or {}).get("completion_tokens", chunks), "text": "".join(text),
            # vLLM fills this only with --enable-prompt-tokens-details on the server
@@ -115,6 +134,8 @@ async def run_prefix(session, a, records: list[dict]) -> None:
     start = time.perf_counter()
     in_flight = [0, 0]  # now, most
 
+    a.sent_order = []  # (position sent, prefix): the order the oracle of best_hits replays
+
     async def one(i: int, p: int, prompt: str) -> None:
         sched = None
         if arrivals:
@@ -122,6 +143,7 @@ async def run_prefix(session, a, records: list[dict]) -> None:
             sched = start + arrivals[i]
         async with sem:
             lag = (time.perf_counter() - sched) if sched is not None else None
+            a.sent_order.append((len(a.sent_order), p))
             in_flight[0] += 1
             in_flight[1] = max(in_flight[1], in_flight[0])
             try:
@@ -135,7 +157,7 @@ async def run_prefix(session, a, records: list[dict]) -> None:
             records.append(rec)
 
     await asyncio.gather(*(one(i, p, prompt) for i, (p, prompt) in enumerate(jobs)))
-    a.max_in_flight = in_flight[1]
+    a.max_in_flight = a.concurrency_seen = in_flight[1]
     a.arrival_span_s = round(arrivals[-1], 2) if arrivals else None
 
 
@@ -152,17 +174,78 @@ async def run_multiturn(session, a, records: list[dict]) -> None:
                 s = queue.get_nowait()
             except asyncio.QueueEmpty:
                 return
-            history = ""
+            history, messages = "", []
             for t in range(a.turns):
-                prompt = (history + " " + users[s][t]).strip()
+                if a.api == "chat":
+                    messages = messages + [{"role": "user", "content": users[s][t]}]
+                    prompt = messages
+                else:
+                    prompt = (history + " " + users[s][t]).strip()
                 r = await complete(session, a, prompt, f"s{s}")
                 answer = r.pop("text").strip()
-                records.append({"i": len(records), "group": s, "turn": t, **r})
+                records.append({"i": len(records), "group": s, "turn": t, "answer_words": len(answer.split()), **r})
                 if not r["ok"]:
                     break
-                history = prompt + " " + answer
+                history = prompt + " " + answer if a.api != "chat" else ""
+                messages = messages + [{"role": "assistant", "content": answer}]
 
     await asyncio.gather(*(worker() for _ in range(a.concurrency)))
+
+
+def belady_hits(sequence: list[int], blocks: int, capacity: int) -> int:
+    """Blocks hit by Belady's optimal eviction: requests for groups (sequence), each group's first `blocks`
+    blocks shared by all its requests, one cache of `capacity` blocks. A group holds a leading run of its
+    blocks; on a request its cached run is hit, then the whole group is cached and blocks are dropped from
+    the group used furthest ahead (the requested one too, when that is it). Pure."""
+    nxt, last = [0] * len(sequence), {}
+    for i in range(len(sequence) - 1, -1, -1):
+        nxt[i] = last.get(sequence[i], float("inf"))
+        last[sequence[i]] = i
+    held: dict[int, int] = {}  # group -> cached leading blocks
+    upcoming: dict[int, float] = {}  # group -> index of its next request
+    hits, total = 0, 0
+    for i, g in enumerate(sequence):
+        hits += held.get(g, 0)
+        total += blocks - held.get(g, 0)
+        held[g] = blocks
+        upcoming[g] = nxt[i]
+        while total > capacity:
+            victim = max(held, key=lambda k: upcoming[k])
+            drop = min(held[victim], total - capacity)
+            held[victim] -= drop
+            total -= drop
+            if held[victim] == 0:
+                del held[victim]
+    return hits
+
+
+def best_hits(records: list[dict], a) -> dict:
+    """The most prefix-cache hit tokens the workload sent allows (see the module's doc)."""
+    b = a.block
+    if a.mode == "prefix":
+        order = [g for _, g in sorted(a.sent_order)]
+        shared = a.prefix_len // b  # whole blocks of the shared prefix
+        repeats = len(order) - len(set(order))
+        own = -(-(a.prefix_len + a.suffix_len + a.output_len) // b) - shared  # a request's blocks of its own
+        in_flight = min(a.concurrency, len(order)) if not a.request_rate else a.concurrency_seen
+        capacity = max(0, a.replicas * (a.kv_tokens // b) - in_flight * own)
+        return {"best_hit_tokens": belady_hits(order, shared, capacity) * b,
+                "best_hit_tokens_no_eviction": repeats * shared * b,
+                "best_capacity_blocks": capacity, "best_method": "belady, one cache of replicas x kv_tokens"}
+    best, mismatched = 0, 0
+    by_group: dict[int, list[dict]] = {}
+    for r in records:
+        by_group.setdefault(r["group"], []).append(r)
+    for turns in by_group.values():
+        turns.sort(key=lambda r: r["turn"])
+        for prev, cur in zip(turns, turns[1:]):
+            if not (prev["ok"] and cur["ok"]) or prev.get("prompt_tokens") is None:
+                continue
+            answer = min(prev["completion_tokens"] or 0, prev.get("answer_words", 0))
+            mismatched += (prev.get("answer_words") != prev["completion_tokens"])
+            best += (prev["prompt_tokens"] + answer - 1) // b * b
+    return {"best_hit_tokens": best, "best_method": "each turn hits the previous turn's whole blocks",
+            "answers_not_one_word_a_token": mismatched}
 
 
 def summarize(records: list[dict], duration: float, a) -> dict:
@@ -196,6 +279,10 @@ def summarize(records: list[dict], duration: float, a) -> dict:
             s["arrival_span_s"] = getattr(a, "arrival_span_s", None)
             s["offered_req_s"] = round((len(records) - 1) / s["arrival_span_s"], 3) if s["arrival_span_s"] else None
             s["send_lag_p99_ms"] = round(pct(lag, 99), 1) if lag else None
+    if a.kv_tokens:
+        s.update(best_hits(records, a))
+    if len(a.urls) > 1:
+        s["requests_by_url"] = {u[-4:]: sum(1 for r in records if r.get("url") == u[-4:]) for u in a.urls}
     if a.mode == "multiturn":
         for t in sorted({r["turn"] for r in ok}):
             v = [r["ttft"] * 1e3 for r in ok if r["turn"] == t]
@@ -215,7 +302,7 @@ async def main_async(a) -> None:
         else:
             await run_multiturn(session, a, records)
         duration = time.perf_counter() - t0
-    config = {k: v for k, v in vars(a).items() if k not in ("out",)}
+    config = {k: v for k, v in vars(a).items() if k not in ("out", "sent_order")}
     summary = summarize(records, duration, a)
     out = Path(a.out)
     out.write_text(json.dumps({"config": config, "summary": summary}, indent=1))
@@ -246,7 +333,13 @@ def main() -> None:
     ap.add_argument("--sessions", type=int, default=200)
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--user-len", type=int, default=250)
+    ap.add_argument("--api", choices=["completions", "chat"], default="completions",
+                    help="multiturn: /v1/completions with the history as text, or /v1/chat/completions")
+    ap.add_argument("--kv-tokens", type=int, default=0, help="each replica's KV cache (tokens): best_hit_tokens")
+    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--block", type=int, default=16, help="the engines' KV block size (tokens)")
     a = ap.parse_args()
+    a.urls, a.sent = [u.rstrip("/") for u in a.url.split(",") if u], 0
     if a.request_rate > 0 and a.mode != "prefix":
         ap.error("--request-rate applies to --mode prefix only")
     asyncio.run(main_async(a))

@@ -42,6 +42,7 @@ from hpcserve.deployment import preflight
 from hpcserve.deployment.runs import CHECK_ONLY_ENV, expected_start, launch, run_of
 from hpcserve.deployment.watch import StartWatch
 from hpcserve.endpoint.handover import last_run_startup
+from hpcserve.endpoint.holding import holding_now
 from hpcserve.endpoint.members import Member, member_config, single_replica
 from hpcserve.endpoint.run import (
     EndpointCheck,
@@ -55,6 +56,7 @@ from hpcserve.core.net import is_loopback, port_free
 from hpcserve.engine.client import Endpoint, health_ok
 from hpcserve.monitoring.metrics import Gatherer
 from hpcserve.planning.planner import check_config_layout
+from hpcserve.raycluster.nodefiles import remove_run_node_folders
 from hpcserve.slurm.parse import time_limit_seconds
 
 FOLLOW_POLL_S = 0.3
@@ -305,6 +307,7 @@ def stop(record: Record, timeout_s: float = 90.0) -> list[int]:
         return run_of(record).stop(timeout_s)
     finally:
         remove_secrets(record.run_dir)  # a stopped deployment keeps no copy of its key or Ray's token
+        remove_run_node_folders(record.run_dir)  # what its nodes left in /tmp, killed members' too
 
 
 def down(name: str, timeout_s: float = 90.0) -> dict:
@@ -334,6 +337,7 @@ class DeploymentStatus:
     members: list[dict] = field(default_factory=list)  # the deployments behind the router, one line each
     decisions: list[dict] = field(default_factory=list)  # the endpoint's last decisions, with reasons
     advice: str | None = None  # what to run to put it right (an endpoint without its controller)
+    holding: dict | None = None  # no replica takes requests: held now, since when, the members waited for
 
     def to_json(self) -> dict:
         """Plain JSON values (statuses and paths as text): what `hpcserve status --json` prints."""
@@ -363,11 +367,16 @@ def deployment_status(record: Record) -> DeploymentStatus:
     if current is RunStatus.READY and replicas and not all(r["healthy"] for r in replicas):
         current = RunStatus.DEGRADED
     stages = stage_breakdown(read_timeline(record.run_dir), record.created, state.job_started)
-    return DeploymentStatus(record.name, record.scheduler, current, state.stage, gone or run.runner_line(),
-                            record.run_dir, replicas, state.error.to_dict() if state.error else None,
-                            record.job_id, stages, state.endpoint_url,
-                            [member_line(Member.from_json(m)) for m in state.members],
-                            [d.to_dict() for d in state.decisions])
+    members = [member_line(Member.from_json(m)) for m in state.members]
+    decisions = [d.to_dict() for d in state.decisions]
+    # What clients get, asked of the data plane: the controller's file says ready while a late successor
+    # leaves the pool empty (endpoint/holding.py)
+    hold = (holding_now(RunPaths(Path(record.run_dir)).router_admin, members, decisions)
+            if record.kind is RunKind.ENDPOINT and current in (RunStatus.READY, RunStatus.DEGRADED) else None)
+    return DeploymentStatus(record.name, record.scheduler, RunStatus.HOLDING if hold else current, state.stage,
+                            gone or run.runner_line(), record.run_dir, replicas,
+                            state.error.to_dict() if state.error else None, record.job_id, stages,
+                            state.endpoint_url, members, decisions, holding=hold)
 
 
 def uncontrolled_status(record: Record, state: RunState, check: EndpointCheck) -> DeploymentStatus:

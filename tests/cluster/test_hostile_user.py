@@ -7,8 +7,10 @@ serve.api_key_env): before `up`, it plants folders and links under the names Ray
 tries the run folder's and the registry's names; then, from the login node and from the replica's compute
 node, it calls every vLLM route of the replica with no key and a wrong one, the router, the router's other
 ports and sockets, the monitor, reads and plants files in the run folder and HPCSERVE_HOME, connects to
-Ray's sockets, and reads every process's command line and environment. Every attempt must fail, and the
-deployment keeps serving its owner. After `down` no copy of the key is left.
+Ray's sockets, GETs / and /metrics on every port that listens on the node (issue 31: Ray's Prometheus
+pages answered there), and reads every process's command line and environment. Every attempt must fail,
+the deployment keeps serving its owner, and none of its folders, Ray's on the node included, is open to
+others. After `down` no copy of the key is left.
 
 The attempts run as that user in tests/cluster/hostile_attempts.py (the system's python3, standard library
 only).
@@ -25,6 +27,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -131,6 +134,7 @@ def test_a_second_user_gets_nothing(slurm_env, stranger, arena, monkeypatch, tmp
         rows.append(slurm_records(target.key))
         rows.append(still_serving(target))
         rows.append(private_modes(target.run_dir, arena / "home"))
+        rows.append(ray_folder_modes(target))
         rows.append(traps_unused(traps, trap_target))
     finally:
         down = run_cli("down", NAME)
@@ -399,11 +403,31 @@ def judge_ray_sockets(report: dict) -> list[Row]:
 
 
 def judge_ports(report: dict) -> list[Row]:
-    """Informational: what else listens on the node (Ray's own ports rely on Ray's token authentication)."""
-    ports = {k.split("|", 1)[1]: v.get("status") or v.get("error", "")[:30] for k, v in report["http"].items()
-             if k.startswith("port|")}
-    return [Row("compute node: GET / and /metrics on every listening port (information)",
-                json.dumps(ports), True)]
+    """Nothing on the node answers a stranger's GET / or /metrics: the engine's ports refuse without the key,
+    Ray's HTTP ports refuse without its token, the rest speak binary protocols. Ray's Prometheus pages (the
+    dashboard agent's metrics export port on every node, the head's API server on 44227) answered 200 with
+    ~1,300 lines before issue 31: actor names, PIDs, the session and job ids, node addresses."""
+    ports = {k.split("|", 1)[1]: v for k, v in report["http"].items() if k.startswith("port|")}
+    answered = sorted(f"{where}: {v['status']} {len((v.get('body') or '').splitlines())}+ lines"
+                      for where, v in ports.items() if v.get("status") is not None and 200 <= v["status"] < 400)
+    kinds = Counter(str(v["status"]) if v.get("status") else v.get("error", "").split(":")[0] for v in ports.values())
+    return [Row(f"compute node: GET / and /metrics on every listening port ({len(ports) // 2} ports)",
+                f"answered: {answered}" if answered else f"none answered: {dict(sorted(kinds.items()))}",
+                not answered)]
+
+
+def ray_folder_modes(target: Target) -> Row:
+    """Ray's folders in the node's /tmp (node.json names them): none open to others (Ray chmods its temp
+    and session folders 0777; issue 31)."""
+    folders = []
+    for member in target.member_dirs:
+        for info in member.glob("nodes/*/node.json"):
+            temp = Path(json.loads(info.read_text())["temp_dir"])
+            folders += [temp.parent] + [Path(f) for f, _, _ in os.walk(temp)]
+    open_ = [f"{f} {oct(stat.S_IMODE(os.lstat(f).st_mode))}" for f in folders
+             if os.path.isdir(f) and stat.S_IMODE(os.lstat(f).st_mode) & 0o022]
+    return Row(f"modes of Ray's folders in the node's /tmp ({len(folders)}): none open to others",
+               f"open: {open_[:5]}" if open_ else "all private", bool(folders) and not open_)
 
 
 # ---------------------------------------------------------------- the owner's side

@@ -32,13 +32,15 @@ def start_stub(name: str, log_dir: Path, token_delay_ms: float = 20.0, key: str 
 
 
 def start_stubs(names: list[str], log_dir: Path, token_delay_ms: float = 20.0, key: str = KEY,
-                slots: list[int] | None = None, tokens: int | None = None) -> list[tuple[subprocess.Popen, str]]:
-    """Stand-ins started together (each takes about a second to import its web server), then awaited."""
+                slots: list[int] | None = None, tokens: int | None = None,
+                extra: list[str] = ()) -> list[tuple[subprocess.Popen, str]]:
+    """Stand-ins started together (each takes about a second to import its web server), then awaited.
+    extra: more stand-in flags for all of them (e.g. --first-token-delay-ms)."""
     started = []
     for index, name in enumerate(names):
         port = free_port()
         argv = [sys.executable, "-m", "hpcserve.testing.standin", "--port", str(port), "--name", name,
-                "--token-delay-ms", str(token_delay_ms)]
+                "--token-delay-ms", str(token_delay_ms), *extra]
         argv += ["--slots", str(slots[index])] if slots else []
         argv += ["--tokens", str(tokens)] if tokens else []
         with open(log_dir / f"stub-{name}.log", "ab") as log:
@@ -59,6 +61,14 @@ def start_stubs(names: list[str], log_dir: Path, token_delay_ms: float = 20.0, k
                 raise RuntimeError(f"stub at {url} did not start (see {log_dir})")
             time.sleep(0.05)
     return started
+
+
+def wait_for(condition, timeout_s: float = 10.0) -> None:
+    """Until condition() holds (polled every 50 ms); fails the test after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
 
 
 def stub_stats(url: str) -> dict:

@@ -28,6 +28,7 @@ from router_fixtures import (
     stop,
     stream_times,
     stub_stats,
+    wait_for,
 )
 
 from hpcserve.core.statuses import Routing
@@ -162,8 +163,8 @@ def test_a_client_that_leaves_mid_stream_frees_the_engine(pool):
         lines = response.iter_lines()
         assert next(lines).startswith("data:")
     # the client is gone: the data plane closes its connection to the engine, which stops generating
-    _wait(lambda: sum(stub_stats(url)["in_flight"] for url in stubs.values()) == 0, 2.0)
-    _wait(lambda: all(b.in_flight == 0 for b in router.backends()), 2.0)
+    wait_for(lambda: sum(stub_stats(url)["in_flight"] for url in stubs.values()) == 0, 2.0)
+    wait_for(lambda: all(b.in_flight == 0 for b in router.backends()), 2.0)
 
 
 def test_requests_spread_over_both_backends(pool):
@@ -188,7 +189,7 @@ def test_removed_backend_drains_and_gets_nothing_new(pool, all_stubs):
     reader = threading.Thread(target=lambda: got.update(zip(("times", "lines"), stream_times(
         router.url, {"model": "stub", "prompt": "drain me", "max_tokens": 50}))))
     reader.start()  # a long stream on c, the only backend now
-    _wait(lambda: stub_stats(url)["in_flight"] == 1)
+    wait_for(lambda: stub_stats(url)["in_flight"] == 1)
     for other in stubs.values():
         router.add(other)
     assert stub_stats(url)["in_flight"] == 1  # still streaming when removed
@@ -317,7 +318,7 @@ def test_connections_above_the_cap_get_503_at_once(strict):
     finally:
         for conn in idle:
             conn.close()
-    _wait(lambda: httpx.get(f"{strict.url}/health", timeout=5).status_code == 200)
+    wait_for(lambda: httpx.get(f"{strict.url}/health", timeout=5).status_code == 200)
 
 
 # ---------------------------------------------------------------- policies
@@ -417,10 +418,3 @@ def test_without_a_key_file_the_endpoint_is_open(tmp_path, stubs):
     finally:
         router.stop()
         router.close()
-
-
-def _wait(condition, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)

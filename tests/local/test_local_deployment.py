@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from helpers import alive, run_cli
+from helpers import alive, process_tree, run_cli
 
 pytestmark = pytest.mark.slow
 PROMPT = "the quick brown fox"
@@ -125,6 +125,43 @@ def test_a_one_worker_replica_runs_its_worker_in_the_engine_core(deployment):
     server = psutil.Process(state["replicas"][0]["processes"][0]["pid"])
     vllm = [p.name() for p in server.children(recursive=True) if p.name().startswith("VLLM::")]
     assert len(vllm) == 1 and vllm[0].startswith("VLLM::EngineCor"), vllm  # no VLLM::Worker
+
+
+def test_no_port_of_the_deployment_answers_without_the_key(deployment):
+    """Every TCP port the deployment listens on (router, engine, Ray's daemons and agents), on loopback that
+    every user of the machine reaches: GET / and /metrics without a key or Ray's token answer nothing (issue
+    31: Ray's Prometheus pages answered 200 with actor names, PIDs, the session and job ids)."""
+    procs = process_tree(json.loads((deployment["run_dir"] / "state.json").read_text())["driver_pid"])
+    listening = set()
+    for proc in procs:
+        try:
+            listening |= {c.laddr.port for c in proc.net_connections("inet") if c.status == psutil.CONN_LISTEN}
+        except psutil.NoSuchProcess:
+            continue
+    answered = {}
+    for port in sorted(listening):
+        for path in ("/", "/metrics"):
+            try:
+                reply = httpx.get(f"http://127.0.0.1:{port}{path}", timeout=3, trust_env=False)
+            except httpx.HTTPError:  # binary protocols (gRPC, Ray's own): no HTTP answer
+                continue
+            if reply.status_code < 400:
+                answered[f"{port}{path}"] = f"{reply.status_code} {len(reply.text.splitlines())} lines"
+    assert len(listening) >= 6 and not answered, (sorted(listening), answered)
+
+
+def test_engine_temporary_files_stay_in_the_node_folder(deployment):
+    """vLLM's ZMQ IPC sockets and every other temporary file of the engine are in the node's private Ray
+    folder (removed with it), none in the shared /tmp (issue 31: ~60 were left there after `down`)."""
+    member = Path(deployment["status"]["members"][0]["run_dir"])
+    node = json.loads(next(member.glob("nodes/*/node.json")).read_text())
+    state = json.loads((member / "state.json").read_text())
+    server = psutil.Process(state["replicas"][0]["processes"][0]["pid"])
+    sockets = {c.laddr for p in [server, *server.children(recursive=True)] for c in p.net_connections("unix")
+               if c.laddr and not c.laddr.startswith("@")}
+    outside = sorted(s for s in sockets if not s.startswith(node["temp_dir"] + "/"))
+    assert sockets and not outside, (node["temp_dir"], outside)
+    assert server.environ()["TMPDIR"].startswith(node["temp_dir"] + "/")
 
 
 def test_api_key_not_in_process_list(deployment):

@@ -31,6 +31,7 @@ from hpcserve.core.tables import narrow_table
 from hpcserve.core.timeline import breakdown_line
 from hpcserve.deployment.preflight import model_config_for, resolve_model_path
 from hpcserve.deployment.runs import config_yaml
+from hpcserve.endpoint.holding import describe as describe_holding
 from hpcserve.planning.catalog import listing
 from hpcserve.planning.planner import check_config_layout, plan_for_config
 from hpcserve.planning.report import explain, render_plan_table
@@ -234,6 +235,8 @@ def deployment_lines(r: api.DeploymentStatus) -> list[str]:
     lines = [f"{r.name}: {r.runner}"]
     if r.advice:
         lines.append(f"  {r.advice}")
+    if r.holding:
+        lines.append(f"  {describe_holding(r.holding)}")
     if r.endpoint:
         lines.append(f"  endpoint {r.endpoint}/v1")
     lines += [f"  replica {x['index']}: {x['url']} {'healthy' if x['healthy'] else 'DOWN'}"
@@ -259,7 +262,8 @@ def cfg_model(result: api.UpResult) -> str:
 
 def _colour(state: str) -> str:
     colour = {RunStatus.READY: "green", RunStatus.FAILED: "red", RunStatus.DEAD: "red",
-              RunStatus.DEGRADED: "yellow", RunStatus.UNCONTROLLED: "yellow"}.get(state, "cyan")
+              RunStatus.DEGRADED: "yellow", RunStatus.UNCONTROLLED: "yellow",
+              RunStatus.HOLDING: "yellow"}.get(state, "cyan")
     return f"[{colour}]{state}[/]"
 
 

@@ -17,7 +17,7 @@ from hpcserve.core.tables import narrow_table
 from hpcserve.monitoring.metrics import Gatherer, NodeMetrics, ReplicaMetrics, Snapshot
 
 STATUS_STYLE = {RunStatus.READY: "green", RunStatus.FAILED: "red", RunStatus.DEAD: "red", "unknown": "red",
-                RunStatus.DEGRADED: "yellow", RunStatus.UNCONTROLLED: "yellow"}
+                RunStatus.DEGRADED: "yellow", RunStatus.UNCONTROLLED: "yellow", RunStatus.HOLDING: "yellow"}
 
 
 def _num(value: float | None, digits: int = 1, unit: str = "") -> str:

@@ -150,11 +150,12 @@ class ServeSpec(Strict):
                                     "measured one (default: 120 s + the weights read at 500 MB/s); `up` judges "
                                     "cluster.time by it, and the startups measured later replace it")
     routing: Routing = Field(Routing.PREFIX, description="how the endpoint picks a replica: prefix (the default: "
-                             "a session's or a prompt prefix's requests to the replica that holds its KV cache, "
-                             "bounded to 1.25 x a replica's share of what is in flight; 1.5 x the throughput of "
-                             "round robin on shared prefixes, equal on random prompts: docs/benchmarks/gpu.md), "
-                             "least_loaded (fewest in flight per unit of capacity: when the median first token "
-                             "matters more than throughput), or round_robin")
+                             "a prompt to the replica whose prefix cache holds most of it, unless that one is "
+                             "loaded an eighth of its capacity above the lightest; a session header pins a "
+                             "conversation: docs/endpoint.md), least_loaded (fewest in flight per unit of "
+                             "capacity), or round_robin")
+    router_workers: int | None = Field(None, ge=1, le=64, description="processes serving the endpoint's port "
+                                       "(one core each); default: a quarter of this machine's cores, 1 to 8")
     hold_s: float = Field(60.0, ge=0, description="while no replica can take a request (none in the pool yet, "
                           "or the only one being replaced), the endpoint holds new requests this long and "
                           "sends them on as soon as one joins; after that they get 503 with Retry-After. "

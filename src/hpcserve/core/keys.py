@@ -8,6 +8,8 @@ one. The only exception is the loudly named serve.insecure_no_api_key, for a lap
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import secrets
 from collections.abc import Mapping
@@ -29,6 +31,35 @@ def new_key() -> str:
 def bearer(api_key: str | None) -> dict[str, str]:
     """The Authorization header of a request with this key (none without a key)."""
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+class KeyCheck:
+    """The one check of a client's `Authorization: Bearer KEY` header, for the data plane, the engines'
+    guard and the monitor alike: the scheme in any case (RFC 9110 11.1), the token trimmed, and both
+    sides hashed before a constant-time comparison, so that neither the key's content nor its length
+    leaks through the time a wrong guess takes. No key: everything passes (an open endpoint). Pure."""
+
+    __slots__ = ("digest",)
+
+    def __init__(self, key: str | None):
+        self.digest = hashlib.sha256(key.encode()).digest() if key else None
+
+    def allows(self, authorization: str | bytes | None) -> bool:
+        if self.digest is None:
+            return True
+        token = bearer_token(authorization)
+        return token is not None and hmac.compare_digest(hashlib.sha256(token).digest(), self.digest)
+
+
+def bearer_token(authorization: str | bytes | None) -> bytes | None:
+    """The token of an Authorization header's value when its scheme is Bearer (any case), else None. Pure."""
+    if authorization is None:
+        return None
+    if isinstance(authorization, str):
+        authorization = authorization.encode("utf-8", "surrogateescape")
+    scheme, _, token = authorization.strip().partition(b" ")
+    token = token.strip()
+    return token if scheme.lower() == b"bearer" and token else None
 
 
 def read_key_file(path: Path) -> str:

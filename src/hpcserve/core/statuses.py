@@ -20,6 +20,7 @@ class RunStatus(StrEnum):
     DEAD = "dead"  # the file says running, but its process or job is gone
     DEGRADED = "degraded"  # ready, but a replica does not answer
     UNCONTROLLED = "uncontrolled"  # an endpoint whose controller is gone while its router or replicas run
+    HOLDING = "holding"  # an endpoint's data plane has no replica to send to: requests wait (serve.hold_s)
 
     @property
     def final(self) -> bool:

@@ -10,10 +10,13 @@ Policies (core.statuses.Routing):
                 --max-num-seqs), the smallest wins; ties go in turn, so an idle pool is used evenly.
                 Replicas of unequal size get traffic in proportion to what they run at once.
   round_robin   each in turn.
-  prefix        bounded-load consistent hashing on a key from the request (a session header, else the
-                start of the prompt: wire.affinity_key): the same conversation or shared prompt meets its
-                KV cache again on the same replica. When that replica carries more than
-                (1 + PREFIX_EPSILON) x its share of what is in flight, least_loaded decides instead.
+  prefix        by what each replica's prefix cache holds (prefix_index: the prompts sent there, in
+                chained blocks): the replica holding the longest part of the prompt takes it, while that
+                part is at least MATCH_FRACTION of the prompt and the replica carries no more than
+                BALANCE_SLACK of its capacity above the least loaded; otherwise the replica with the
+                most room (load, then cache fill) takes it, and its repeats follow it there. A session
+                header (X-Session-ID, X-User-ID) instead pins the conversation by bounded-load
+                consistent hashing: within (1 + PREFIX_EPSILON) x its share of what is in flight.
 Every policy skips a backend marked failed (a connection error, for a few seconds) and, while another
 has room, one without: every slot taken by requests in flight through here, or marked saturated by the
 controller (its engine queues requests or its KV cache is full). When none has room, all are candidates.
@@ -27,6 +30,7 @@ import math
 from dataclasses import dataclass
 
 from hpcserve.core.statuses import Routing
+from hpcserve.endpoint.prefix_index import PrefixIndex
 from hpcserve.engine.capacity import DEFAULT_MAX_NUM_SEQS
 
 # A preferred backend may carry up to 1.25 x its share before prefix affinity yields to balance: the
@@ -35,6 +39,22 @@ from hpcserve.engine.capacity import DEFAULT_MAX_NUM_SEQS
 PREFIX_EPSILON = 0.25
 VIRTUAL_NODES = 64  # points per backend on the hash ring: shares within a few percent of equal
 MAX_CAPACITY = 1 << 20
+# A cached part worth following: half the prompt (SGLang's cache-aware router uses the same 0.5), so a
+# short shared system prompt before long distinct questions does not pull every request to one replica.
+MATCH_FRACTION = 0.5
+# How far the replica holding a prefix may be loaded above the lightest before balance wins: an eighth of
+# its capacity (32 of vLLM's 256 sequences, SGLang's absolute threshold). A repeat sent elsewhere pays a
+# whole prefill again, a little more load only a little decode time: the bound is loose on purpose.
+BALANCE_SLACK = 0.125
+MAX_KV_TOKENS = 1 << 40
+
+
+@dataclass(frozen=True, slots=True)
+class Affinity:
+    """What the prefix policy routes on: a client's session header, and the prompt's chained blocks."""
+
+    session: bytes | None = None
+    blocks: tuple[int, ...] | list[int] = ()
 
 
 @dataclass(frozen=True)
@@ -45,6 +65,7 @@ class BackendSpec:
     url: str
     capacity: int = DEFAULT_MAX_NUM_SEQS
     saturated: bool = False
+    kv_tokens: int | None = None  # the engine's KV cache in tokens, when known: bounds what the index keeps
 
     @classmethod
     def from_json(cls, data: object) -> BackendSpec:
@@ -60,10 +81,15 @@ class BackendSpec:
         saturated = data.get("saturated", False)
         if not isinstance(saturated, bool):
             raise ValueError(f"saturated of {url} must be true or false, not {saturated!r}")
-        return cls(url, capacity, saturated)
+        kv_tokens = data.get("kv_tokens")
+        if kv_tokens is not None and (not isinstance(kv_tokens, int) or isinstance(kv_tokens, bool)
+                                      or not 0 < kv_tokens <= MAX_KV_TOKENS):
+            raise ValueError(f"kv_tokens of {url} must be a whole number above 0 (or absent), not {kv_tokens!r}")
+        return cls(url, capacity, saturated, kv_tokens)
 
     def to_json(self) -> dict:
-        return {"url": self.url, "capacity": self.capacity, "saturated": self.saturated}
+        data = {"url": self.url, "capacity": self.capacity, "saturated": self.saturated}
+        return data if self.kv_tokens is None else {**data, "kv_tokens": self.kv_tokens}
 
 
 @dataclass(slots=True, eq=False)
@@ -122,6 +148,7 @@ class Pool:
         self.by_url: dict[str, Backend] = {}
         self.retired: dict[str, Backend] = {}
         self.ring = Ring([])
+        self.index = PrefixIndex()
         self.turn = 0  # advances with every choice: ties and round_robin go in turn
 
     def update(self, specs: list[BackendSpec]) -> bool:
@@ -139,9 +166,11 @@ class Pool:
             backend = self.by_url.get(spec.url) or self.retired.pop(spec.url, None) or Backend(spec.url, spec.capacity)
             backend.capacity, backend.saturated = spec.capacity, spec.saturated
             self.by_url[spec.url] = backend
+            self.index.set_limit(spec.url, spec.kv_tokens)
             active.append(backend)
         changed = [b.url for b in active] != [b.url for b in self.active]
         self.active = active
+        self.index.keep_only(wanted)
         if changed:
             self.ring = Ring(active)
         return changed
@@ -188,9 +217,11 @@ def within_share(backend: Backend, backends: list[Backend], epsilon: float = PRE
     return backend.in_flight + 1 <= math.ceil((1 + epsilon) * total * backend.capacity / capacity)
 
 
-def choose(pool: Pool, policy: Routing, key: bytes | None, now: float, tried: tuple[Backend, ...] = ()) -> Backend | None:
+def choose(pool: Pool, policy: Routing, affinity: Affinity | None, now: float,
+           tried: tuple[Backend, ...] = ()) -> Backend | None:
     """The backend for the next request; None when none may take it now (the caller holds the request).
-    A retry names the backends it tried: another one is preferred while there is one."""
+    A retry names the backends it tried: another one is preferred while there is one. The prefix policy
+    records the prompt's blocks where it sends them."""
     eligible = candidates(pool.active, now)
     if tried:
         eligible = [b for b in eligible if b not in tried] or eligible
@@ -199,8 +230,40 @@ def choose(pool: Pool, policy: Routing, key: bytes | None, now: float, tried: tu
     pool.turn += 1
     if policy is Routing.ROUND_ROBIN:
         return eligible[pool.turn % len(eligible)]
-    if policy is Routing.PREFIX and key is not None:
-        preferred = pool.ring.owner(key, eligible)
+    if policy is not Routing.PREFIX or affinity is None:
+        return least_loaded(eligible, pool.turn)
+    chosen = None
+    if affinity.session is not None:
+        preferred = pool.ring.owner(affinity.session, eligible)
         if preferred is not None and within_share(preferred, eligible):
-            return preferred
-    return least_loaded(eligible, pool.turn)
+            chosen = preferred
+    elif affinity.blocks:
+        chosen = cache_holder(pool.index, eligible, affinity.blocks, pool.turn)
+    if chosen is None:
+        chosen = roomiest(pool.index, eligible, pool.turn) if affinity.blocks else least_loaded(eligible, pool.turn)
+    pool.index.record(chosen.url, affinity.blocks)
+    return chosen
+
+
+def cache_holder(index: PrefixIndex, backends: list[Backend], blocks, turn: int) -> Backend | None:
+    """The backend holding the longest leading part of blocks (the least loaded of those that hold as
+    much), when that part is worth following and that backend is not overloaded; else None."""
+    depths = [index.match(b.url, blocks) for b in backends]
+    deepest = max(depths)
+    if deepest == 0 or deepest < MATCH_FRACTION * len(blocks):
+        return None
+    holder = least_loaded([b for b, d in zip(backends, depths) if d == deepest], turn)
+    lightest = min(b.load() for b in backends)
+    return holder if holder.load() - lightest <= BALANCE_SLACK else None
+
+
+def roomiest(index: PrefixIndex, backends: list[Backend], turn: int) -> Backend:
+    """Where a new prefix has most room: the smallest load plus cache fill; among equals, in turn."""
+    size = len(backends)
+    best, best_score = backends[turn % size], math.inf
+    for step in range(size):
+        backend = backends[(turn + step) % size]
+        score = backend.load() + index.fill(backend.url)
+        if score < best_score:
+            best, best_score = backend, score
+    return best

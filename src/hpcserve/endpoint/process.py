@@ -36,7 +36,7 @@ from hpcserve.endpoint.adopt import adopt
 from hpcserve.deployment.runs import Launcher
 from hpcserve.endpoint.controller import MEMBER_STOP_TIMEOUT_S, TICK_S, Controller
 from hpcserve.endpoint.members import Member, group_layouts
-from hpcserve.endpoint.router import Router
+from hpcserve.endpoint.router import Router, default_workers
 from hpcserve.engine.client import READY_PROMPT, completion_probe
 
 
@@ -121,7 +121,7 @@ def run(run_dir: Path, runs: Launcher | None = None) -> int:
     key_file = write_secret(paths.router_key, api_key) if api_key else None  # never on a command line
     router = Router(cfg.serve.host, cfg.serve.port, key_file, paths.router_log, model=cfg.model.name,
                     admin_socket=paths.router_admin, hold_s=cfg.serve.hold_s,
-                    policy=cfg.serve.routing)
+                    policy=cfg.serve.routing, workers=cfg.serve.router_workers or default_workers())
     ctl = Controller(cfg, run_dir, router, api_key, runs)
     started = {} if adopting else {"job_started": time.time()}  # where up's time went stays up's
     ctl.writer.update(driver_pid=os.getpid(), status=RunStatus.STARTING, **started)

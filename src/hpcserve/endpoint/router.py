@@ -75,11 +75,18 @@ def in_flight_to(data: dict, url: str) -> int:
                if b["url"] == url)
 
 
+def default_workers(cores: int | None = None) -> int:
+    """Data plane workers when serve.router_workers is not set: a quarter of the cores, 1 to 8 (the login
+    node runs the controller, users' shells and the clients of a benchmark too). Pure."""
+    return max(1, min(8, (cores if cores is not None else os.cpu_count() or 1) // 4))
+
+
 def dataplane_argv(host: str, port: int, api_key_file: Path | None, admin_socket: Path, policy: Routing,
-                   hold_s: float, options: Sequence[str] = (), python: str = sys.executable) -> list[str]:
+                   hold_s: float, options: Sequence[str] = (), python: str = sys.executable,
+                   workers: int = 1) -> list[str]:
     """The data plane's command line: no secret on it (the key is read from its 0600 file)."""
     argv = [python, "-m", MODULE, "--host", host, "--port", str(port), "--admin-socket", str(admin_socket),
-            "--policy", str(policy), "--hold-s", f"{hold_s:g}"]
+            "--policy", str(policy), "--hold-s", f"{hold_s:g}"] + (["--workers", str(workers)] if workers > 1 else [])
     return argv + (["--key-file", str(api_key_file)] if api_key_file else []) + list(options)
 
 
@@ -89,7 +96,7 @@ class Router:
 
     def __init__(self, host: str, port: int, api_key_file: Path | None, log_path: Path, model: str | None = None,
                  policy: Routing | str = Routing.LEAST_LOADED, admin_socket: Path | None = None, hold_s: float = 60.0,
-                 options: Sequence[str] = (), python: str = sys.executable):
+                 options: Sequence[str] = (), python: str = sys.executable, workers: int = 1):
         """api_key_file: a mode-0600 file with the key clients must send (and the engines expect); None
         leaves the endpoint open. model: the served name, for probe(). admin_socket: default beside the
         log, in an owner-only folder. options: more data plane flags (its limits; tests and benchmarks)."""
@@ -99,7 +106,7 @@ class Router:
         self.log_path = Path(log_path)
         self.admin_socket = Path(admin_socket) if admin_socket else unix_socket_path(self.log_path.parent / "router"
                                                                                       / "admin.sock")
-        self.options, self.python = list(options), python
+        self.options, self.python, self.workers = list(options), python, workers
         self.pid: int | None = None
         self._process: psutil.Popen | None = None
         self._key: str | None = None
@@ -125,7 +132,7 @@ class Router:
         self._key = self.api_key_file.read_text().strip() if self.api_key_file else None
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         argv = dataplane_argv(self.host, self.port, self.api_key_file, self.admin_socket, self.policy, self.hold_s,
-                              self.options, self.python)
+                              self.options, self.python, self.workers)
         with open(self.log_path, "ab") as log:
             self._process = psutil.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                          start_new_session=True)

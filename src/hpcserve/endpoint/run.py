@@ -18,12 +18,13 @@ import httpx
 
 from hpcserve.core.config import DeploymentConfig
 from hpcserve.core.keys import ApiKey
+from hpcserve.core.paths import RunPaths
 from hpcserve.core.registry import Record
 from hpcserve.core.runstate import RunState
 from hpcserve.core.statuses import MemberStatus, RunKind
 from hpcserve.deployment.runs import LocalRun, run_of
 from hpcserve.endpoint.members import Member
-from hpcserve.endpoint.router import router_serving, stop_router
+from hpcserve.endpoint.router import is_router, router_serving, stop_router
 from hpcserve.engine.client import health_ok
 
 CONTROLLER_MODULE = "hpcserve.endpoint.process"
@@ -86,10 +87,24 @@ def stop_endpoint(record: Record, timeout_s: float) -> list[int]:
     here. Returns PIDs still alive on this machine afterwards, which should be none."""
     left = LocalRun(record).stop(timeout_s)
     state = RunState.read(record.run_dir)
+    router_left = False
     if state.router_pid and state.endpoint_url:  # only if that PID is still our router on our port
-        stop_router(state.router_pid, port=httpx.URL(state.endpoint_url).port)
+        port = httpx.URL(state.endpoint_url).port
+        stop_router(state.router_pid, port=port)
+        router_left = is_router(state.router_pid, port)
     for member in state.members:
         run = run_of(Record.from_dict(member["record"]))
         if run.gone() is None:
             left += run.stop(timeout_s)
+    if not router_left and not left:
+        remove_admin_socket(RunPaths(Path(record.run_dir)))
     return left
+
+
+def remove_admin_socket(paths: RunPaths) -> None:
+    """The stopped data plane's admin socket, when it lay outside the run folder (/tmp/hpcserve-UID/ for a
+    run folder too deep for a socket path): `down` leaves nothing of the deployment outside its results
+    folder. The folder itself is shared by the user's deployments, and stays."""
+    socket = paths.router_admin
+    if paths.root not in socket.parents and socket.is_socket():
+        socket.unlink(missing_ok=True)

@@ -1,15 +1,18 @@
 """What the data plane says and decides on the wire, apart from choosing a backend (balance.py): its own
-error answers (OpenAI-style JSON), the client's key check, which headers pass, the affinity key of the
-prefix policy, and when a failed attempt is tried again or a request held. No I/O, no event loop.
+error answers (OpenAI-style JSON), which headers pass, what the prefix policy routes on, and when a
+failed attempt is tried again or a request held. No I/O, no event loop. (The key check is core.keys.KeyCheck,
+shared with the engines' guard and the monitor.)
 """
 
 from __future__ import annotations
 
-import hmac
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
+
+from hpcserve.endpoint.balance import Affinity
+from hpcserve.endpoint.prefix_index import prompt_blocks, prompt_text
 
 # How the data plane's process is started and recognised (router.py starts it, dataplane.py is it): here,
 # so that the side that starts it does not import the server's async HTTP stack (a CLI call's 0.3 s).
@@ -17,8 +20,6 @@ PROCESS_TITLE = "hpcserve-router"
 MODULE = "hpcserve.endpoint.dataplane"
 RETRY_AFTER_S = 5  # what a 503 tells clients to wait: about one controller round plus a join
 KEY_HEADERS = ("x-session-id", "x-user-id")  # what vLLM-router's consistent_hash reads, in this order
-AFFINITY_BYTES = 1536  # the prompt's first 1.5 KB: a shared system prompt or conversation start
-AFFINITY_FIELDS = (b'"messages"', b'"prompt"', b'"input"')  # chat, completions, embeddings
 
 # Hop-by-hop headers (RFC 9110 7.6.1) are about one connection, not the request; Host and Content-Length
 # are set again for the next hop; Expect is answered here (100 Continue), not passed on.
@@ -83,22 +84,6 @@ def too_many_connections(limit: int) -> bytes:
     return head.encode() + body
 
 
-# ------------------------------------------------------------------ the key
-
-def expected_authorization(key: str | None) -> bytes | None:
-    return f"Bearer {key}".encode() if key else None
-
-
-def key_matches(authorization: str | None, expected: bytes | None) -> bool:
-    """`Authorization: Bearer <key>`, compared in constant time (a wrong key's timing says nothing about
-    the right one); every request is checked anew (no cache of tokens). No key set: open."""
-    if expected is None:
-        return True
-    if authorization is None:
-        return False
-    return hmac.compare_digest(authorization.strip().encode("utf-8", "surrogateescape"), expected)
-
-
 # ------------------------------------------------------------------ headers
 
 def forwarded_headers(headers: Iterable[tuple[str, str]]) -> dict[str, str]:
@@ -120,22 +105,17 @@ def returned_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]
 
 # ------------------------------------------------------------------ affinity (the prefix policy)
 
-def affinity_key(headers: Mapping[str, str], body: bytes | None) -> bytes | None:
-    """What the prefix policy hashes: X-Session-ID or X-User-ID when the client names one, else the
-    first AFFINITY_BYTES of the request's messages, prompt or input as sent (a byte scan, no JSON parse:
-    the field may come anywhere in the object, and what follows it up to the limit is what replicas
-    cache). None when there is nothing to key on (least_loaded decides)."""
+def request_affinity(headers: Mapping[str, str], body: bytes | None) -> Affinity:
+    """What the prefix policy routes on: X-Session-ID or X-User-ID when the client names one, and the
+    parsed prompt's blocks (prefix_index.prompt_blocks; the blocks are recorded either way, so that a
+    session's replica is known to hold its conversation)."""
+    session = None
     for name in KEY_HEADERS:
         value = headers.get(name)
         if value:
-            return b"h:" + value.encode("utf-8", "surrogateescape")
-    if not body:
-        return None
-    for field in AFFINITY_FIELDS:
-        start = body.find(field)
-        if start >= 0:
-            return body[start:start + AFFINITY_BYTES]
-    return None
+            session = value.encode("utf-8", "surrogateescape")
+            break
+    return Affinity(session, prompt_blocks(prompt_text(body)))
 
 
 # ------------------------------------------------------------------ retries and holds
@@ -143,10 +123,11 @@ def affinity_key(headers: Mapping[str, str], body: bytes | None) -> bytes | None
 class Failure(Enum):
     """How an attempt to reach a backend failed before any response byte went to the client."""
 
-    CONNECT = "connect"  # refused, unreachable, connect timeout: the backend is down
-    DISCONNECT = "disconnect"  # the connection closed or reset under the request (also: a pooled
-    #                            keep-alive connection the engine had just closed)
-    TIMEOUT = "timeout"  # the engine accepted the request but sent nothing for read_timeout_s
+    CONNECT = "connect"  # refused, unreachable, connect timeout: the request never reached an engine
+    DISCONNECT = "disconnect"  # the connection closed or reset after the request was sent: the engine
+    #                            may have received it (it died under it, or the request killed it), or
+    #                            it was a pooled keep-alive connection the engine had just closed
+    TIMEOUT = "timeout"  # the engine accepted the request but sent nothing for first_byte_timeout_s
 
 
 @dataclass(frozen=True)
@@ -157,16 +138,20 @@ class Attempt:
     mark_failed: bool  # skip this backend for FAILED_S
 
 
-def after_failure(failure: Failure, tries: int, max_tries: int) -> Attempt:
-    """Before any response byte reached the client, a connection error is tried again (bounded); a
-    backend that refused a connection is skipped for a while, a dropped connection alone does not mark
-    it (an engine closing an idle keep-alive connection is no failure). An engine that accepted the
-    request and then said nothing for the read timeout is not tried again: it may still be working on
-    it, and the client has waited that long already. Once a response began, nothing is retried (the
-    data plane never calls this then)."""
+def after_failure(failure: Failure, tries: int, max_tries: int, resent: int, max_resends: int = 1) -> Attempt:
+    """Before any response byte reached the client. A request that never reached an engine (a refused
+    connection) is tried again, bounded by max_tries, and that backend is skipped for a while. One that
+    may have reached an engine (a dropped connection) is sent again only max_resends times: once lets a
+    replica killed under a request cost no request, while a request that itself kills engines reaches
+    two of them, not every one; a dropped connection alone does not mark the backend (an engine closing
+    an idle keep-alive connection is no failure). An engine that accepted the request and then said
+    nothing for the first-byte timeout is not tried again: it may still be working on it, and the client
+    has waited that long already. Once a response began, nothing is retried (this is not asked then)."""
     if failure is Failure.TIMEOUT:
         return Attempt(retry=False, mark_failed=False)
-    return Attempt(retry=tries < max_tries, mark_failed=failure is Failure.CONNECT)
+    if failure is Failure.DISCONNECT:
+        return Attempt(retry=tries < max_tries and resent < max_resends, mark_failed=False)
+    return Attempt(retry=tries < max_tries, mark_failed=True)
 
 
 def hold_wait(now: float, deadline: float, recovery: float | None) -> float | None:

@@ -22,8 +22,6 @@ an engine hpcserve started is never open by mistake.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import os
 from collections.abc import Awaitable, Callable, Mapping
@@ -31,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcserve.core.files import read_secret
+from hpcserve.core.keys import KeyCheck
 
 KEY_ENV = "VLLM_API_KEY"
 KEY_FILE_ENV = "HPCSERVE_API_KEY_FILE"
@@ -59,20 +58,12 @@ def is_open(method: str, path: str, root_path: str = "") -> bool:
     return method in OPEN_METHODS and path == OPEN_PATH
 
 
-def bearer_token(headers: list[tuple[bytes, bytes]]) -> bytes | None:
-    """The token of an `Authorization: Bearer TOKEN` header (ASGI headers: lowercase names). Pure."""
+def authorization_header(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    """The Authorization header's value (ASGI headers: lowercase names). Pure."""
     for name, value in headers:
         if name == b"authorization":
-            scheme, _, token = value.partition(b" ")
-            return token.strip() if scheme.lower() == b"bearer" else None
+            return value
     return None
-
-
-def key_matches(token: bytes | None, key_digest: bytes) -> bool:
-    """Constant time: both sides hashed first, so neither the content nor the length of the key leaks
-    through the time a wrong guess takes. Pure."""
-    given = hashlib.sha256(token or b"").digest()
-    return token is not None and hmac.compare_digest(given, key_digest)
 
 
 def unauthorized_body(path: str) -> bytes:
@@ -93,7 +84,7 @@ class KeyGuard:
             # vLLM builds its middleware at start: failing here stops the engine before it listens.
             raise RuntimeError(f"hpcserve's KeyGuard has no API key: set {KEY_ENV} or {KEY_FILE_ENV} "
                                "(hpcserve does so for every engine it starts)")
-        self.key_digest = hashlib.sha256(key.encode()).digest()
+        self.check = KeyCheck(key)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope.get("type")
@@ -107,7 +98,7 @@ class KeyGuard:
         if scope["type"] == "http" and is_open(scope.get("method", ""), scope.get("path", ""),
                                                scope.get("root_path", "")):
             return True
-        return key_matches(bearer_token(scope.get("headers") or []), self.key_digest)
+        return self.check.allows(authorization_header(scope.get("headers") or []))
 
 
 async def refuse(scope: Scope, send: Send) -> None:

@@ -13,7 +13,6 @@ its log). Only a deployment without a key (serve.insecure_no_api_key, a machine 
 
 from __future__ import annotations
 
-import hmac
 import json
 import socket
 import threading
@@ -23,6 +22,7 @@ from importlib import resources
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from hpcserve.core.errors import UsageError
+from hpcserve.core.keys import KeyCheck
 from hpcserve.monitoring.metrics import Gatherer
 from hpcserve.monitoring.prometheus import DeploymentCollector
 
@@ -33,10 +33,7 @@ def dashboard_html() -> bytes:
 
 def authorized(header: str | None, key: str | None) -> bool:
     """Whether an Authorization header carries the key (always, when there is no key). Pure."""
-    if not key:
-        return True
-    scheme, _, given = (header or "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())
+    return KeyCheck(key).allows(header)
 
 
 class _Server(ThreadingHTTPServer):
@@ -53,6 +50,7 @@ class MonitorServer:
     def __init__(self, gatherer: Gatherer, host: str = "127.0.0.1", port: int = 9400, api_key: str | None = None):
         self.gatherer = gatherer
         self.key = api_key  # on loopback too: other users of this machine reach it
+        self.check = KeyCheck(api_key)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(DeploymentCollector(gatherer))
         self.page = dashboard_html()
@@ -92,7 +90,7 @@ class MonitorServer:
                     return self._send(200, "text/html; charset=utf-8", server.page)
                 if path not in ("/api/status", "/metrics"):
                     return self._send(404, "text/plain", b"not found: try /, /api/status or /metrics\n")
-                if not authorized(self.headers.get("Authorization"), server.key):
+                if not server.check.allows(self.headers.get("Authorization")):
                     return self._send(401, "text/plain", b"this monitor needs the deployment's API key: "
                                       b"Authorization: Bearer KEY\n", {"WWW-Authenticate": "Bearer"})
                 if path == "/metrics":

@@ -23,6 +23,17 @@ from hpcserve.raycluster.launch import NodeLauncher
 from hpcserve.raycluster.node import STOP_FILE
 from hpcserve.raycluster.ports import PortBlock, free_block
 
+# Ray's Prometheus pages answer anyone who connects, token authentication or not (issue 31: ~1,300 lines of
+# actor names, PIDs, node addresses, the session and job ids, each process's CPU and memory). hpcserve reads
+# none of them (its samplers are Ray actors that write into the run folder), so both are closed, on every
+# node and in every process of the deployment (workers and engines inherit the raylet's environment):
+# - the dashboard agent's metrics export port (random, on the node's address): with metrics collection
+#   off, the raylet starts the agent with --disable-metrics-collection and no exporter listens;
+# - the head's API server (started even with --include-dashboard=false) serves its own page on
+#   DASHBOARD_METRIC_PORT, 44227 for everybody: a port it cannot bind keeps it shut (Ray logs the
+#   failure in dashboard.log and goes on).
+CLOSED_METRICS = {"RAY_enable_metrics_collection": "0", "DASHBOARD_METRIC_PORT": "-1"}
+
 
 @dataclass
 class ClusterPlan:
@@ -54,7 +65,8 @@ class RayCluster:
         token = create_token(self.plan.run_dir)
         # No drain on SIGTERM: Ray 2.60 otherwise waits 30 s for Serve traffic we do not have; the
         # driver has stopped the engines before it stops Ray.
-        env = {**auth_env(token), "RAY_USAGE_STATS_ENABLED": "0", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+        env = {**auth_env(token), **CLOSED_METRICS, "RAY_USAGE_STATS_ENABLED": "0",
+               "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
         if self.plan.local:
             # Single node: keep every Ray address on loopback instead of the machine's public address.
             env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"

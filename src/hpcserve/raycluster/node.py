@@ -28,6 +28,7 @@ from pathlib import Path
 from hpcserve.core.errors import UnsafePathError
 from hpcserve.core.folders import private_dir
 from hpcserve.core.osenv import PRIVATE_UMASK
+from hpcserve.raycluster.nodefiles import TMP_SUBDIR, close_open_folders
 
 
 def address_towards(host: str, port: int) -> str:
@@ -79,12 +80,18 @@ def wait_for_tcp(address: str, deadline_s: float) -> None:
 
 
 STOP_FILE = "stop"
+CLOSE_EVERY_S = 5.0  # Ray's folders closed again this often (nodefiles.py: Ray opens them as it makes them)
 
 
-def wait_for_exit_or_stop(child: subprocess.Popen, stop_file: Path) -> int:
+def wait_for_exit_or_stop(child: subprocess.Popen, stop_file: Path, every=lambda: None) -> int:
     """Until Ray exits; a stop file written by the driver (shared filesystem) stops it first. Signals
-    cannot be used for that: srun turns them into a kill after KillWait, before the logs are copied."""
+    cannot be used for that: srun turns them into a kill after KillWait, before the logs are copied.
+    every: called about every CLOSE_EVERY_S meanwhile, and once at once."""
+    next_call = 0.0
     while True:
+        if time.monotonic() >= next_call:
+            every()
+            next_call = time.monotonic() + CLOSE_EVERY_S
         try:
             return child.wait(timeout=0.5)
         except subprocess.TimeoutExpired:
@@ -137,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"Ray's temp folder: {exc}") from None
     # vLLM and NCCL pick the node's address the same flawed way Ray does: tell them.
     os.environ["VLLM_HOST_IP"] = address
+    # Every temporary file under Ray (vLLM's IPC sockets, rendezvous files) in this node's private folder,
+    # removed with it: nothing of the deployment in the shared /tmp (nodefiles.py).
+    os.environ["TMPDIR"] = str(private_dir(temp_dir / TMP_SUBDIR, fresh=True))
     # Ray rewrites CUDA_VISIBLE_DEVICES per worker; keep the allocation's value for processes that
     # must see the node's GPUs (vLLM's API process with the Ray executor).
     if os.environ.get("CUDA_VISIBLE_DEVICES"):
@@ -153,13 +163,16 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
-    code = wait_for_exit_or_stop(child, node_dir / STOP_FILE)
-    copy_logs(temp_dir, node_dir)
-    shutil.rmtree(temp_dir, ignore_errors=True)
+    code = wait_for_exit_or_stop(child, node_dir / STOP_FILE, lambda: close_open_folders(temp_dir))
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # Ray has stopped: a second TERM must not cut the clean-up
     try:
-        os.rmdir(args.temp_root)  # once the last node of this machine is done with it
-    except OSError:
-        pass
+        copy_logs(temp_dir, node_dir)
+    finally:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        try:
+            os.rmdir(args.temp_root)  # once the last node of this machine is done with it
+        except OSError:
+            pass
     return code
 
 

@@ -13,8 +13,12 @@ with different slots stand for replicas of different capacity. A request's servi
 tokens x token delay. /metrics is a real vLLM /metrics page (50 KB, histograms and all: what a
 controller reads from a real engine), with running, waiting, KV-cache usage and finished requests
 filled in; --small-metrics serves only those four families.
- The prompts __answer_400__ and __answer_500__ get a client error and an engine error.
-When HPCSERVE_STUB_API_KEY is set, requests without `Authorization: Bearer <key>` get 401, as vLLM does.
+ The prompts __answer_400__ and __answer_500__ get a client error and an engine error; __crash__ is
+counted and its connection cut without an answer (a request that kills its engine). --first-token-delay-ms
+holds a stream's first chunk back (headers go at once, as vLLM's do) and a whole answer as long. A client
+that disconnects cancels its request at once, as vLLM aborts one whose connection closed.
+When HPCSERVE_STUB_API_KEY is set, requests without `Authorization: Bearer <key>` get 401, as vLLM does
+(the scheme in any case, as vLLM reads it).
 
 A farm (--count N) serves N stand-ins on N ports from one process (one event loop), and an admin API
 on --admin-port that the benchmarks drive:
@@ -40,10 +44,13 @@ from importlib import resources
 
 from aiohttp import web
 
+from hpcserve.core.keys import KeyCheck
+
 STATS = web.AppKey("stats", dict)
 SLOTS = web.AppKey("slots", asyncio.Semaphore)
 BAD_PROMPT = "__answer_400__"
 FAILING_PROMPT = "__answer_500__"
+CRASHING_PROMPT = "__crash__"
 CONFIG = web.AppKey("config", dict)
 METRICS = web.AppKey("metrics", object)
 FROZEN = web.AppKey("frozen", asyncio.Event)
@@ -113,8 +120,8 @@ def filled_families(running: float, waiting: float, kv_usage: float, finished: f
 # ------------------------------------------------------------------ one stand-in
 
 def _authorized(request: web.Request) -> bool:
-    key = request.app[CONFIG]["api_key"]
-    return not key or request.headers.get("Authorization") == f"Bearer {key}"
+    """As vLLM checks its key: the Bearer scheme in any case, the token compared as a hash."""
+    return request.app[CONFIG]["key_check"].allows(request.headers.get("Authorization"))
 
 
 async def _frozen_gate(request: web.Request) -> None:
@@ -136,25 +143,36 @@ async def _complete(request: web.Request) -> web.StreamResponse:
     if body.get("prompt") == FAILING_PROMPT:  # an engine error, as vLLM answers when generation fails
         stats["failed"] += 1
         return web.json_response({"error": {"message": "engine error", "code": 500}}, status=500)
+    if body.get("prompt") == CRASHING_PROMPT:  # received, then the connection is gone: no answer at all
+        stats["crashed"] += 1
+        request.transport.abort()
+        await asyncio.Event().wait()
     stats["requests"] += 1
     stats["waiting"] += 1
-    async with request.app[SLOTS]:
+    try:  # a client that leaves while its request waits for a slot is no longer waiting either
+        await request.app[SLOTS].acquire()
+    finally:
         stats["waiting"] -= 1
+    try:
         return await _answer(request, body, chat)
+    finally:
+        request.app[SLOTS].release()
 
 
 async def _answer(request: web.Request, body: dict, chat: bool) -> web.StreamResponse:
     config, stats = request.app[CONFIG], request.app[STATS]
     tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or config["tokens"])
-    name, delay = config["name"], config["token_delay_s"]
+    name, delay, first_delay = config["name"], config["token_delay_s"], config["first_token_delay_s"]
     stats["in_flight"] += 1
     try:
         if not body.get("stream"):
-            if delay:
-                await asyncio.sleep(delay * tokens)
+            if delay or first_delay:
+                await asyncio.sleep(first_delay + delay * tokens)
             return web.json_response(completion_body(name, chat, "x" * tokens, tokens), headers={"x-backend": name})
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "x-backend": name})
         await response.prepare(request)
+        if first_delay:
+            await asyncio.sleep(first_delay)
         for _ in range(tokens):
             if delay:
                 await asyncio.sleep(delay)
@@ -203,15 +221,16 @@ async def _name_every_response(request: web.Request, response: web.StreamRespons
 
 
 def make_app(name: str, token_delay_s: float = 0.0, tokens: int = 16, api_key: str | None = None,
-             slots: int = 1_000_000, metrics: MetricsPage | None = None) -> web.Application:
+             slots: int = 1_000_000, metrics: MetricsPage | None = None,
+             first_token_delay_s: float = 0.0) -> web.Application:
     app = web.Application()
     app[SLOTS] = asyncio.Semaphore(slots)
     app[FROZEN] = asyncio.Event()
     app[METRICS] = metrics or MetricsPage.load()
     app[CONFIG] = {"name": name, "token_delay_s": token_delay_s, "tokens": tokens, "api_key": api_key,
-                   "slots": slots}
+                   "slots": slots, "first_token_delay_s": first_token_delay_s, "key_check": KeyCheck(api_key)}
     app.on_response_prepare.append(_name_every_response)
-    app[STATS] = {"requests": 0, "waiting": 0, "in_flight": 0, "done": 0, "failed": 0, "last_body": None,
+    app[STATS] = {"requests": 0, "waiting": 0, "in_flight": 0, "done": 0, "failed": 0, "crashed": 0, "last_body": None,
                   "health_reads": 0, "metrics_reads": 0}
     app.add_routes([web.post("/v1/completions", _complete), web.post("/v1/chat/completions", _complete),
                     web.get("/v1/models", _models), web.get("/health", _health), web.get("/metrics", _metrics),
@@ -242,7 +261,7 @@ class Standin:
     async def start(self) -> None:
         self.app[FROZEN].clear()
         if self.runner is None:
-            self.runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+            self.runner = web.AppRunner(self.app, access_log=None, handle_signals=False, handler_cancellation=True)
             await self.runner.setup()
             await web.TCPSite(self.runner, self.host, self.port, reuse_address=True, backlog=1024).start()
         self._set(StandinState.SERVING)
@@ -338,10 +357,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--name", default="stub")
     parser.add_argument("--token-delay-ms", type=float, default=0.0)
     parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--first-token-delay-ms", type=float, default=0.0)
     parser.add_argument("--slots", type=int, default=1_000_000, help="requests run at once; the rest wait")
     parser.add_argument("--small-metrics", action="store_true", help="/metrics with the four read families only")
     args = parser.parse_args(argv)
     settings = {"token_delay_s": args.token_delay_ms / 1000.0, "tokens": args.tokens,
+                "first_token_delay_s": args.first_token_delay_ms / 1000.0,
                 "api_key": os.environ.get("HPCSERVE_STUB_API_KEY"), "slots": args.slots}
     if args.ports or args.count:
         ports = ([int(p) for p in args.ports.split(",")] if args.ports
@@ -350,7 +371,7 @@ def main(argv: list[str] | None = None) -> None:
         run_loop(serve_farm(farm, args.admin_port))
         return
     app = make_app(args.name, metrics=MetricsPage.load(args.small_metrics), **settings)
-    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None, handler_cancellation=True)
 
 
 if __name__ == "__main__":
