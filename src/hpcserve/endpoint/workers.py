@@ -41,6 +41,7 @@ from hpcserve.endpoint.wire import PROCESS_TITLE
 PR_SET_PDEATHSIG = 1
 DATAGRAM_BYTES = 1 << 18  # one message: a URL and up to MAX_BLOCKS 8-byte hashes, well within this
 WORKER_CALL_S = 10.0
+WORKER_START_S = 30.0
 REAP_S = 0.5
 
 
@@ -172,6 +173,7 @@ class Supervisor:
                         web.get("/metrics", self.get_metrics), web.get("/health", self.get_health)])
         runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=1.0)
         await runner.setup()
+        await self.workers_listening()  # a PUT before that would find a worker's socket not yet listening
         await web.SockSite(runner, admin_sock).start()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -194,6 +196,17 @@ class Supervisor:
         self.stop_workers()
         settings.admin_socket.unlink(missing_ok=True)
         print(f"{PROCESS_TITLE}: stopped", flush=True)
+
+    async def workers_listening(self) -> None:
+        """Until every live worker answers on its own admin socket (bounded: one that never does is left
+        out of every call, as a dead one is)."""
+        deadline = time.monotonic() + WORKER_START_S
+        while time.monotonic() < deadline:
+            self.reap()
+            answers = await self.each("GET", "/health")
+            if all(status == 200 for status, _ in answers):
+                return
+            await asyncio.sleep(0.05)
 
     def reap(self) -> None:
         for pid in list(self.alive):
