@@ -29,6 +29,15 @@ HPCSERVE = [sys.executable, "-m", "hpcserve.cli"]
 SMALL_KV_CACHE = ["--kv-cache-memory-bytes", str(64 * 2**20)]
 
 
+def own_tmp_env(folder: Path, **extra: str) -> dict[str, str]:
+    """The environment for a process a test starts by hand (a vLLM engine outside any deployment), with its
+    temporary files (vLLM's ZMQ IPC sockets, named by UUIDs) in the test's own folder: an engine the test
+    kills leaves them there, not in the /tmp that tests/cluster/test_leftovers.py watches."""
+    tmp = Path(folder) / "t"  # short: a Unix socket path has at most 107 bytes
+    tmp.mkdir(mode=0o700, exist_ok=True)
+    return {**os.environ, "TMPDIR": str(tmp), **extra}
+
+
 def run_cli(*args: str, env: dict | None = None, timeout: float = 900, cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([*HPCSERVE, *args], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})}, cwd=cwd)

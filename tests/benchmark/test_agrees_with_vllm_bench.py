@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import HPCSERVE, SMALL_KV_CACHE, free_port
+from helpers import HPCSERVE, SMALL_KV_CACHE, free_port, own_tmp_env
 
 INPUT_LEN, OUTPUT_LEN, CONCURRENCY, NUM_PROMPTS = 64, 32, 4, 120
 # Closed loop (fixed concurrency, no request rate): with Poisson arrivals the throughput of N requests is
@@ -81,7 +81,7 @@ def vllm_server(tmp_path_factory):
     argv = [sys.executable, "-m", "hpcserve.engine.vllm_cli", "serve", str(model), "--served-model-name", "tiny",
             "--dtype", "float32", "--max-model-len", "512", "--host", "127.0.0.1", "--port", str(port),
             "--enforce-eager", *SMALL_KV_CACHE]  # what is compared is the load generators, not vLLM's compile path
-    env = dict(os.environ)
+    env = own_tmp_env(log.parent)
     with open(log, "wb") as sink:
         process = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     base_url = f"http://127.0.0.1:{port}"

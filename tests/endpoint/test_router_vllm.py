@@ -15,7 +15,7 @@ import time
 
 import httpx
 import pytest
-from helpers import SMALL_KV_CACHE, free_port
+from helpers import SMALL_KV_CACHE, free_port, own_tmp_env
 from router_fixtures import KEY, headers, key_file, run_load, stream_times
 
 from hpcserve.endpoint.router import Router
@@ -29,7 +29,7 @@ def start_engine(model_path: str, core: int, log_dir) -> tuple[subprocess.Popen,
     port = free_port()
     argv = [sys.executable, "-m", "hpcserve.engine.vllm_cli", "serve", model_path, "--served-model-name", MODEL,
             "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "512", *SMALL_KV_CACHE]
-    env = {**os.environ, "VLLM_API_KEY": KEY, "VLLM_CPU_OMP_THREADS_BIND": str(core)}
+    env = own_tmp_env(log_dir, VLLM_API_KEY=KEY, VLLM_CPU_OMP_THREADS_BIND=str(core))
     log = open(log_dir / f"engine-{core}.log", "ab")
     return subprocess.Popen(argv, stdout=log, stderr=log, env=env, start_new_session=True), f"http://127.0.0.1:{port}"
 
