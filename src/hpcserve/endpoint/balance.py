@@ -10,13 +10,15 @@ Policies (core.statuses.Routing):
                 --max-num-seqs), the smallest wins; ties go in turn, so an idle pool is used evenly.
                 Replicas of unequal size get traffic in proportion to what they run at once.
   round_robin   each in turn.
-  prefix        by what each replica's prefix cache holds (prefix_index: the prompts sent there, in
-                chained blocks): the replica holding the longest part of the prompt takes it, while that
-                part is at least MATCH_FRACTION of the prompt and the replica carries no more than
-                BALANCE_SLACK of its capacity above the least loaded; otherwise the replica with the
-                most room (load, then cache fill) takes it, and its repeats follow it there. A session
-                header (X-Session-ID, X-User-ID) instead pins the conversation by bounded-load
-                consistent hashing: within (1 + PREFIX_EPSILON) x its share of what is in flight.
+  prefix        by what each replica's prefix cache holds: exactly, from its engine's KV events
+                (token_index, fed by kv_feed), and approximately, from the prompts sent there
+                (prefix_index), where the events do not cover it (cached_share). The replica holding the
+                largest part of the prompt takes it, while that part is at least MATCH_FRACTION of the
+                prompt and the replica carries no more than BALANCE_SLACK of its capacity above the least
+                loaded; otherwise the replica with the most room (load, then cache fill) takes it, and its
+                repeats follow it there. A session header (X-Session-ID, X-User-ID) instead pins the
+                conversation by bounded-load consistent hashing: within (1 + PREFIX_EPSILON) x its share
+                of what is in flight.
 Every policy skips a backend marked failed (a connection error, for a few seconds) and, while another
 has room, one without: every slot taken by requests in flight through here, or marked saturated by the
 controller (its engine queues requests or its KV cache is full). When none has room, all are candidates.
@@ -27,10 +29,11 @@ from __future__ import annotations
 import bisect
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hpcserve.core.statuses import Routing
-from hpcserve.endpoint.prefix_index import PrefixIndex
+from hpcserve.endpoint.prefix_index import TOKENS_PER_BLOCK, PrefixIndex
+from hpcserve.endpoint.token_index import TokenIndex, token_blocks
 from hpcserve.engine.capacity import DEFAULT_MAX_NUM_SEQS
 
 # A preferred backend may carry up to 1.25 x its share before prefix affinity yields to balance: the
@@ -49,12 +52,21 @@ BALANCE_SLACK = 0.125
 MAX_KV_TOKENS = 1 << 40
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Affinity:
-    """What the prefix policy routes on: a client's session header, and the prompt's chained blocks."""
+    """What the prefix policy routes on: a client's session header, the prompt's chained blocks of text
+    (prefix_index), and its token ids where the data plane computes them (prompt_tokens)."""
 
     session: bytes | None = None
     blocks: tuple[int, ...] | list[int] = ()
+    tokens: list[int] | None = None
+    by_size: dict[int, list[int]] = field(default_factory=dict)  # token blocks per block size, made once
+
+    def token_blocks(self, size: int) -> list[int]:
+        blocks = self.by_size.get(size)
+        if blocks is None:
+            blocks = self.by_size[size] = token_blocks(self.tokens or [], size)
+        return blocks
 
 
 @dataclass(frozen=True)
@@ -149,6 +161,8 @@ class Pool:
         self.retired: dict[str, Backend] = {}
         self.ring = Ring([])
         self.index = PrefixIndex()
+        self.exact: dict[str, TokenIndex] = {}  # backends whose KV events are followed now (kv_feed)
+        self.kv_tokens: dict[str, int] = {}  # each backend's KV cache in tokens, where the controller knows it
         self.turn = 0  # advances with every choice: ties and round_robin go in turn
 
     def update(self, specs: list[BackendSpec]) -> bool:
@@ -167,10 +181,14 @@ class Pool:
             backend.capacity, backend.saturated = spec.capacity, spec.saturated
             self.by_url[spec.url] = backend
             self.index.set_limit(spec.url, spec.kv_tokens)
+            if spec.kv_tokens:
+                self.kv_tokens[spec.url] = spec.kv_tokens
             active.append(backend)
         changed = [b.url for b in active] != [b.url for b in self.active]
         self.active = active
         self.index.keep_only(wanted)
+        for url in [url for url in self.kv_tokens if url not in wanted]:
+            del self.kv_tokens[url]
         if changed:
             self.ring = Ring(active)
         return changed
@@ -237,33 +255,58 @@ def choose(pool: Pool, policy: Routing, affinity: Affinity | None, now: float,
         preferred = pool.ring.owner(affinity.session, eligible)
         if preferred is not None and within_share(preferred, eligible):
             chosen = preferred
-    elif affinity.blocks:
-        chosen = cache_holder(pool.index, eligible, affinity.blocks, pool.turn)
+    elif affinity.blocks or affinity.tokens:
+        chosen = cache_holder(pool, eligible, affinity, pool.turn)
     if chosen is None:
-        chosen = roomiest(pool.index, eligible, pool.turn) if affinity.blocks else least_loaded(eligible, pool.turn)
+        prompt = affinity.blocks or affinity.tokens
+        chosen = roomiest(pool, eligible, pool.turn) if prompt else least_loaded(eligible, pool.turn)
     pool.index.record(chosen.url, affinity.blocks)
     return chosen
 
 
-def cache_holder(index: PrefixIndex, backends: list[Backend], blocks, turn: int) -> Backend | None:
-    """The backend holding the longest leading part of blocks (the least loaded of those that hold as
+def cached_share(pool: Pool, url: str, affinity: Affinity) -> float:
+    """The part of the prompt (0 to 1) that url's prefix cache holds. Exactly, from its engine's events,
+    when they cover everything sent there (the feed began before the first request); where they may not
+    (the feed began later, or broke), the larger of that and what the prompts sent there say; the sent
+    prompts alone for an engine without events (prefix_index)."""
+    blocks = affinity.blocks
+    approximate = pool.index.match(url, blocks) / len(blocks) if blocks else 0.0
+    exact = pool.exact.get(url)
+    if exact is None or not exact.block_size or affinity.tokens is None:
+        return approximate
+    token_blocks = affinity.token_blocks(exact.block_size)
+    held = exact.match(token_blocks) / len(token_blocks) if token_blocks else 0.0
+    return held if exact.complete else max(held, approximate)
+
+
+def cache_holder(pool: Pool, backends: list[Backend], affinity: Affinity, turn: int) -> Backend | None:
+    """The backend holding the largest leading part of the prompt (the least loaded of those that hold as
     much), when that part is worth following and that backend is not overloaded; else None."""
-    depths = [index.match(b.url, blocks) for b in backends]
-    deepest = max(depths)
-    if deepest == 0 or deepest < MATCH_FRACTION * len(blocks):
+    shares = [cached_share(pool, b.url, affinity) for b in backends]
+    largest = max(shares)
+    if largest == 0 or largest < MATCH_FRACTION:
         return None
-    holder = least_loaded([b for b, d in zip(backends, depths) if d == deepest], turn)
+    holder = least_loaded([b for b, s in zip(backends, shares) if s == largest], turn)
     lightest = min(b.load() for b in backends)
     return holder if holder.load() - lightest <= BALANCE_SLACK else None
 
 
-def roomiest(index: PrefixIndex, backends: list[Backend], turn: int) -> Backend:
+def cache_fill(pool: Pool, url: str) -> float:
+    """How full url's prefix cache is (0 empty, 1 full): from its engine's events where followed and its
+    size known, else by the prompts sent there."""
+    exact, kv_tokens = pool.exact.get(url), pool.kv_tokens.get(url)
+    if exact is not None and exact.complete and kv_tokens:
+        return min(1.0, exact.blocks() * (exact.block_size or TOKENS_PER_BLOCK) / kv_tokens)
+    return pool.index.fill(url)
+
+
+def roomiest(pool: Pool, backends: list[Backend], turn: int) -> Backend:
     """Where a new prefix has most room: the smallest load plus cache fill; among equals, in turn."""
     size = len(backends)
     best, best_score = backends[turn % size], math.inf
     for step in range(size):
         backend = backends[(turn + step) % size]
-        score = backend.load() + index.fill(backend.url)
+        score = backend.load() + cache_fill(pool, backend.url)
         if score < best_score:
             best, best_score = backend, score
     return best

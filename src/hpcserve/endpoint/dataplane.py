@@ -52,6 +52,7 @@ from hpcserve.core.keys import KeyCheck, read_key_file
 from hpcserve.core.statuses import Routing
 from hpcserve.endpoint import wire
 from hpcserve.endpoint.balance import Affinity, Backend, BackendSpec, Pool, choose
+from hpcserve.endpoint.kv_feed import Feeds
 from hpcserve.endpoint.plane_metrics import CLIENT_CLOSED, Collector, Stats
 from hpcserve.endpoint.plane_server import (
     ClientServer,
@@ -61,6 +62,7 @@ from hpcserve.endpoint.plane_server import (
     owner_only,
 )
 from hpcserve.endpoint.plane_settings import Settings, parse_args
+from hpcserve.endpoint.prompt_tokens import PromptTokenizer
 from hpcserve.endpoint.wire import PROCESS_TITLE
 from hpcserve.endpoint.workers import supervise
 
@@ -94,8 +96,10 @@ class AttemptFailed(Exception):
 class DataPlane:
     def __init__(self, settings: Settings, key: str | None):
         self.settings = settings
-        self.key = KeyCheck(key)
+        self.key, self.raw_key = KeyCheck(key), key
         self.pool = Pool()
+        self.tokenizer: PromptTokenizer | None = None  # with the engines' KV events (kv_feed): exact routing
+        self.feeds: Feeds | None = None
         self.peers = None  # workers.Peers when other workers share this port: they hear where prompts went
         self.stats = Stats()
         self.changed = asyncio.Event()  # replaced after every membership change: held requests wake
@@ -112,8 +116,17 @@ class DataPlane:
         self.session = aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=False,
                                              auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
                                              skip_auto_headers=("User-Agent", "Accept-Encoding", "Accept"))
+        if self.prefix and self.settings.tokenizer:
+            self.tokenizer = PromptTokenizer.load(self.settings.tokenizer, self.settings.chat_template)
+            if self.tokenizer is None:
+                print(f"{PROCESS_TITLE}: no tokenizer.json in {self.settings.tokenizer}: routing by the prompts "
+                      "sent to each replica alone, not by the engines' KV events", flush=True)
+            else:
+                self.feeds = Feeds(self.session, self.raw_key, self.pool)
 
     async def close(self) -> None:
+        if self.feeds is not None:
+            await self.feeds.close()
         if self.session is not None:
             await self.session.close()
 
@@ -142,7 +155,9 @@ class DataPlane:
             raise Refusal(400, wire.bad_request(f"the request target must be a path, not {target[:100]!r}"), True)
         body = await self.read_body(request)
         headers = wire.forwarded_headers(request.headers.items())
-        affinity = wire.request_affinity(request.headers, body) if self.prefix else None
+        affinity = None
+        if self.prefix:  # prompts are tokenized only while some engine's KV events are followed
+            affinity = wire.request_affinity(request.headers, body, self.tokenizer if self.pool.exact else None)
         return await self.forward(request, target, body, headers, affinity)
 
     async def read_body(self, request: web.BaseRequest) -> bytes | None:
@@ -294,14 +309,31 @@ class DataPlane:
                 "backends": [{**BackendSpec(b.url, b.capacity, b.saturated).to_json(), "in_flight": b.in_flight,
                               "failed": b.failed_until > now, "requests": b.requests, "failures": b.failures,
                               "index_blocks": len(self.pool.index.held.get(b.url) or ()),
-                              "index_limit": limits.get(b.url)}
+                              "index_limit": limits.get(b.url), **self.kv_events_json(b.url)}
                              for b in self.pool.active],
                 "retired": [{"url": b.url, "in_flight": b.in_flight} for b in self.pool.retired.values()]}
 
+    def kv_events_json(self, url: str) -> dict:
+        """Whether url's KV events are followed (live), its engine publishes none (absent), or they are not
+        asked for (off: no tokenizer, or another policy); the blocks they say it holds."""
+        exact = self.pool.exact.get(url)
+        if exact is not None:
+            return {"kv_events": "live", "exact_blocks": exact.blocks(), "exact_complete": exact.complete}
+        if self.feeds is None:
+            return {"kv_events": "off"}
+        return {"kv_events": "absent" if url in self.feeds.stats.absent else "down"}
+
+    def refresh_stats(self) -> Stats:
+        self.stats.index_blocks = self.pool.index.entries()
+        if self.feeds is not None:
+            feed = self.feeds.stats
+            self.stats.kv_events, self.stats.kv_event_gaps = feed.events, feed.gaps
+            self.stats.kv_feeds_live = len(self.pool.exact)
+        return self.stats
+
     def stats_json(self) -> dict:
         """What a supervisor merges over its workers (GET /stats on a worker's own admin socket)."""
-        self.stats.index_blocks = self.pool.index.entries()
-        return {"stats": self.stats.to_json(), "backends": self.backends_json()}
+        return {"stats": self.refresh_stats().to_json(), "backends": self.backends_json()}
 
     async def get_backends(self, _request: web.Request) -> web.Response:
         return web.json_response(self.backends_json())
@@ -313,13 +345,14 @@ class DataPlane:
             self.pool.update(specs)
         except (ValueError, KeyError, TypeError) as exc:
             return web.json_response({"error": f"{type(exc).__name__}: {exc}"}, status=400)
+        if self.feeds is not None:
+            self.feeds.sync()
         self.changed.set()  # held requests look again (a backend may have joined or recovered)
         self.changed = asyncio.Event()
         return web.json_response(self.backends_json())
 
     async def get_metrics(self, _request: web.Request) -> web.Response:
-        self.stats.index_blocks = self.pool.index.entries()
-        return metrics_response(Collector(self.stats, self.backends_json()["backends"]))
+        return metrics_response(Collector(self.refresh_stats(), self.backends_json()["backends"]))
 
     async def get_stats(self, _request: web.Request) -> web.Response:
         return web.json_response(self.stats_json())

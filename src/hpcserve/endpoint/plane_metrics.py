@@ -18,7 +18,9 @@ COUNTERS = (("holds", "Requests held while no backend could take them"),
             ("resends", "Requests sent again after a connection dropped under them (an engine may have had them)"),
             ("broken_streams", "Responses cut after they began (the engine or client went away)"),
             ("malformed", "Requests refused as malformed HTTP"),
-            ("refused_connections", "Connections refused above the cap"))
+            ("refused_connections", "Connections refused above the cap"),
+            ("kv_events", "KV-cache events received from the engines (each worker follows every engine)"),
+            ("kv_event_gaps", "Breaks in an engine's KV events (batches lost): that replica's exact index began again"))
 NAMES = {"malformed": "malformed_requests"}
 
 
@@ -36,6 +38,9 @@ class Stats:
     malformed: int = 0
     refused_connections: int = 0
     index_blocks: int = 0  # prefix blocks the routing index holds (set when read)
+    kv_events: int = 0  # set when read, from the feeds (kv_feed)
+    kv_event_gaps: int = 0
+    kv_feeds_live: int = 0
 
     def done(self, status: int, seconds: float) -> None:
         self.codes[status] = self.codes.get(status, 0) + 1
@@ -100,6 +105,8 @@ class Collector:
         yield GaugeMetricFamily("hpcserve_router_held", "Requests held now", value=stats.held)
         yield GaugeMetricFamily("hpcserve_router_prefix_index_blocks", "Prompt blocks the routing index holds "
                                 "(summed over workers: each keeps its own copy)", value=stats.index_blocks)
+        yield GaugeMetricFamily("hpcserve_router_kv_feeds_live", "Engines whose KV events are followed now "
+                                "(summed over workers)", value=stats.kv_feeds_live)
         yield GaugeMetricFamily("hpcserve_router_workers", "Worker processes serving the client port",
                                 value=self.workers)
         in_flight = GaugeMetricFamily("hpcserve_router_backend_in_flight", "Requests in flight to each backend "

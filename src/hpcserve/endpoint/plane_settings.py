@@ -35,6 +35,8 @@ class Settings:
     read_timeout_s: float = 300.0  # a stream silent this long between chunks is cut
     grace_s: float = 5.0  # at SIGTERM: requests in flight may finish this long
     workers: int = 1
+    tokenizer: Path | None = None  # the model folder: prompts as token ids, to match the engines' KV events
+    chat_template: Path | None = None  # the engines' --chat-template, where it replaces the model's
 
 
 def parse_args(argv: list[str], description: str = "") -> Settings:
@@ -61,6 +63,10 @@ def parse_args(argv: list[str], description: str = "") -> Settings:
     parser.add_argument("--read-timeout-s", type=float, default=d.read_timeout_s,
                         help="a stream silent this long between two chunks is cut")
     parser.add_argument("--workers", type=int, default=d.workers, help="processes serving the port (SO_REUSEPORT)")
+    parser.add_argument("--tokenizer", type=Path, help="the model folder (its tokenizer.json): the prefix policy "
+                        "then routes by the engines' KV events too (engine/kv_events.py)")
+    parser.add_argument("--chat-template", type=Path, help="the chat template the engines use, where it is not the "
+                        "model folder's")
     args = parser.parse_args(argv)
     if args.hold_s < 0 or args.tries < 1 or args.resends < 0 or args.max_connections < 1 or args.max_body_mb <= 0:
         parser.error("--hold-s and --resends must be >= 0, --tries and --max-connections >= 1, --max-body-mb > 0")
@@ -75,4 +81,4 @@ def parse_args(argv: list[str], description: str = "") -> Settings:
                     max_connections=connection_cap(args.max_connections), header_timeout_s=args.header_timeout_s,
                     body_timeout_s=args.body_timeout_s, connect_timeout_s=args.connect_timeout_s,
                     first_byte_timeout_s=args.first_byte_timeout_s, read_timeout_s=args.read_timeout_s,
-                    workers=args.workers)
+                    workers=args.workers, tokenizer=args.tokenizer, chat_template=args.chat_template)

@@ -30,17 +30,23 @@ MAX_BLOCKS_PER_BACKEND = 1 << 20  # ~100 MB of entries at most, whatever a backe
 FIELD_SEPARATOR = "\x1f"  # between a message's role and content, and between messages
 
 
-def prompt_text(body: bytes | None) -> str | None:
-    """The prompt as the engine sees it, from a request body: completions' `prompt` (a string, a list of
-    strings: the first, or token ids), chat's `messages` (role and text of each, in order), embeddings'
-    `input`. None when the body is no JSON object or has none of them. Pure."""
+def request_json(body: bytes | None) -> dict | None:
+    """A request body's JSON object; None when it is none. Pure."""
     if not body:
         return None
     try:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError):
         return None
-    if not isinstance(data, dict):
+    return data if isinstance(data, dict) else None
+
+
+def prompt_text(body: bytes | dict | None) -> str | None:
+    """The prompt as the engine sees it, from a request body (or its parsed JSON): completions' `prompt` (a
+    string, a list of strings: the first, or token ids), chat's `messages` (role and text of each, in
+    order), embeddings' `input`. None when the body is no JSON object or has none of them. Pure."""
+    data = body if isinstance(body, dict) else request_json(body)
+    if data is None:
         return None
     messages = data.get("messages")
     if isinstance(messages, list):

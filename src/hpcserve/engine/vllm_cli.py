@@ -6,13 +6,17 @@ vLLM's platform detection reads) and then hand over to vLLM's real CLI, so `serv
 other subcommand behave exactly as upstream. Usage: python -m hpcserve.engine.vllm_cli serve MODEL ...
 
 On CPU it also keeps vLLM's default start method for the engine's processes (fork), or the one the user
-set: see _fork_on_cpu.
+set: see _fork_on_cpu. A `serve` with hpcserve's KV-event relay gets the publisher the relay reads
+(engine.kv_events.set_up_publisher).
 """
 
 from __future__ import annotations
 
 import importlib.metadata as metadata
 import os
+import sys
+
+from hpcserve.engine.kv_events import set_up_publisher
 
 START_METHOD = "VLLM_WORKER_MULTIPROC_METHOD"
 
@@ -60,6 +64,8 @@ def main() -> None:
     if _on_cpu_distribution():
         _patch_vllm_metadata()
         _fork_on_cpu()
+    if sys.argv[1:2] == ["serve"]:
+        sys.argv = set_up_publisher(sys.argv)  # the KV events the endpoint routes by (engine.kv_events)
     from vllm.entrypoints.cli.main import main as vllm_main
 
     vllm_main()
