@@ -337,7 +337,9 @@ try:
     d = json.load(open(sys.argv[1]))
     print(json.dumps({"policy": d.get("policy"), "held": d.get("held"), "requests_by_backend":
         {b["url"][-4:]: b.get("requests") for b in d.get("backends", [])}, "failures_by_backend":
-        {b["url"][-4:]: b.get("failures") for b in d.get("backends", [])}}))
+        {b["url"][-4:]: b.get("failures") for b in d.get("backends", [])}, "kv_events_by_backend":
+        {b["url"][-4:]: [b.get("kv_events"), b.get("exact_blocks"), b.get("exact_complete")]
+         for b in d.get("backends", [])}}))
 except Exception as exc:
     print(json.dumps({"error": f"no data plane backends: {exc}"}))
 PY

@@ -30,7 +30,7 @@ LOG_PATTERNS = {
     "graph_capture_s": r"Graph capturing finished in ([\d.]+) secs",
     "init_engine_s": r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+)",
     "kv_cache_gib": r"Available KV cache memory: ([\d.]+) GiB",
-    "kv_cache_tokens": r"GPU KV cache size: ([\d,]+) tokens",
+    "kv_cache_tokens": r"(?:GPU|CPU) KV cache size: ([\d,]+) tokens",
 }
 HIT = ("Directly load AOT compilation", "Directly load the compiled graph")
 MISS = ("Compiling a graph for compile range",)

@@ -65,6 +65,14 @@ TEMPLATE=$I20/chat_template.jinja
 # One space after each message's content: turn k's prompt is turn k-1's prompt and answer, word for word.
 export I20_REPLICA_EXTRA="--enable-prompt-tokens-details --chat-template $TEMPLATE"
 ROUTING_HPS_WORKERS=${ROUTING_HPS_WORKERS:-2}
+# The replicas publish their KV events as hpcserve's engines do (engine/kv_events.py: the relay middleware on
+# their port, the publisher on an IPC socket that hpcserve.engine.vllm_cli adds), for every policy alike; the
+# data plane follows them when it takes --tokenizer (ROUTING_KV_EVENTS=0: neither).
+if [ "${ROUTING_KV_EVENTS:-1}" = 1 ] && [ -f "$SRC/hpcserve/engine/kv_events.py" ]; then
+  [ -z "${ROUTING_VLLM:-}" ] && VLLM="env PYTHONPATH=$SRC $PY -m hpcserve.engine.vllm_cli"
+  I20_REPLICA_EXTRA="$I20_REPLICA_EXTRA --middleware hpcserve.engine.kv_events.KvEventsRelay"
+  ROUTING_KV_EVENTS=1
+else ROUTING_KV_EVENTS=0; fi
 
 cleanup() { # replaces i20_device.sh's: routers stopped, kept replicas left running (unless --stop/stop)
   local p
@@ -120,11 +128,13 @@ wait_replicas() { # both answer a completion; one that died is started again onc
 
 hps_features() { # what the data plane to measure accepts: --workers, kv_tokens
   I20_HPS_ARGS=""; HPS_KV_OK=0
-  if PYTHONPATH=$SRC $PY -m hpcserve.endpoint.dataplane --help 2>/dev/null | grep -q -- '--workers'; then
-    I20_HPS_ARGS="--workers $ROUTING_HPS_WORKERS"; fi
+  local help; help=$(PYTHONPATH=$SRC $PY -m hpcserve.endpoint.dataplane --help 2>/dev/null)
+  echo "$help" | grep -q -- '--workers' && I20_HPS_ARGS="--workers $ROUTING_HPS_WORKERS"
+  if [ $ROUTING_KV_EVENTS = 1 ] && echo "$help" | grep -q -- '--tokenizer'; then
+    I20_HPS_ARGS="$I20_HPS_ARGS --tokenizer $MODEL --chat-template $TEMPLATE"; fi
   grep -q 'kv_tokens' "$SRC/hpcserve/endpoint/balance.py" 2>/dev/null && HPS_KV_OK=1
   export I20_HPS_ARGS
-  log "data plane from $SRC: extra args '${I20_HPS_ARGS}', kv_tokens $([ $HPS_KV_OK = 1 ] && echo sent || echo 'not accepted: not sent')"
+  log "data plane from $SRC: extra args '${I20_HPS_ARGS}', kv_tokens $([ $HPS_KV_OK = 1 ] && echo sent || echo 'not accepted: not sent'), replicas' KV events $([ $ROUTING_KV_EVENTS = 1 ] && echo on || echo off)"
 }
 
 workload_args() { # WORKLOAD -> CARGS (client arguments), EST (seconds a run may take, a first guess)
