@@ -111,15 +111,34 @@ def test_what_the_engine_holds_wins_over_what_was_sent_there():
     pool.index.record(A, affinity.blocks)  # sent to A once: the approximate index says A holds it
     pool.exact[B].apply([Stored([f"b{i}" for i in range(25)], None, tokens, 4)])
     pool.exact[A].block_size = pool.exact[B].block_size
-    assert cached_share(pool, A, affinity) == 0.0 and cached_share(pool, B, affinity) == 1.0
+    assert cached_share(pool, A, affinity, 0.0) == 0.0 and cached_share(pool, B, affinity, 0.0) == 1.0
     assert choose(pool, Routing.PREFIX, affinity, now=0.0).url == B
     # an index that began after requests went there (incomplete) does not rule out what was sent
     pool = two_backends(exact_on=B, complete=False)
     pool.index.record(A, affinity.blocks)
     pool.exact[A].block_size = 4
-    assert cached_share(pool, A, affinity) == 1.0
+    assert cached_share(pool, A, affinity, 0.0) == 1.0
     # without token ids (no tokenizer), the sent prompts alone decide
-    assert cached_share(two_backends(), A, Affinity(None, affinity.blocks)) == 0.0
+    assert cached_share(two_backends(), A, Affinity(None, affinity.blocks), 0.0) == 0.0
+
+
+def test_a_prompt_on_its_way_into_a_cache_draws_its_repeats_until_the_engine_says_otherwise():
+    """Its engine stores a prompt's blocks only once its prefill ran (seconds under load): meanwhile its
+    repeats go where it was sent (PENDING_S at most), and an engine that clears its cache clears them."""
+    from hpcserve.endpoint.balance import PENDING_S
+
+    tokens = list(range(100))
+    pool = two_backends(exact_on=B)
+    for url in (A, B):
+        pool.exact[url].block_size = 4
+    first = choose(pool, Routing.PREFIX, Affinity(None, prompt_blocks("y" * 400), tokens), now=10.0).url
+    for now in (11.0, 12.0, 10.0 + PENDING_S - 1):  # no event yet: the repeats follow it
+        assert choose(pool, Routing.PREFIX, Affinity(None, prompt_blocks("y" * 400), tokens), now=now).url == first
+    pool.exact[first].apply([CLEARED])
+    assert cached_share(pool, first, Affinity(None, prompt_blocks("y" * 400), tokens), 13.0) == 0.0
+    repeat = Affinity(None, prompt_blocks("y" * 400), tokens)
+    choose(pool, Routing.PREFIX, repeat, now=20.0)
+    assert all(pool.exact[url].match(repeat.token_blocks(4), 20.0 + PENDING_S + 1) == 0 for url in (A, B))
 
 
 def test_prompts_become_the_engines_token_ids(tmp_path):

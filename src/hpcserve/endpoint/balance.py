@@ -50,6 +50,10 @@ MATCH_FRACTION = 0.5
 # whole prefill again, a little more load only a little decode time: the bound is loose on purpose.
 BALANCE_SLACK = 0.125
 MAX_KV_TOKENS = 1 << 40
+# A prompt sent to a replica is in its cache before its engine says so: the events come once its prefill
+# ran, which under load takes seconds (TTFT p99 ~5 s on an H100 at 128 in flight, docs/benchmarks/routing.md).
+# Its blocks count as held there this long at most, or until the engine stores them (token_index.expect).
+PENDING_S = 15.0
 
 
 @dataclass(slots=True)
@@ -256,33 +260,42 @@ def choose(pool: Pool, policy: Routing, affinity: Affinity | None, now: float,
         if preferred is not None and within_share(preferred, eligible):
             chosen = preferred
     elif affinity.blocks or affinity.tokens:
-        chosen = cache_holder(pool, eligible, affinity, pool.turn)
+        chosen = cache_holder(pool, eligible, affinity, pool.turn, now)
     if chosen is None:
         prompt = affinity.blocks or affinity.tokens
         chosen = roomiest(pool, eligible, pool.turn) if prompt else least_loaded(eligible, pool.turn)
-    pool.index.record(chosen.url, affinity.blocks)
+    record(pool, chosen.url, affinity, now)
     return chosen
 
 
-def cached_share(pool: Pool, url: str, affinity: Affinity) -> float:
-    """The part of the prompt (0 to 1) that url's prefix cache holds. Exactly, from its engine's events,
-    when they cover everything sent there (the feed began before the first request); where they may not
-    (the feed began later, or broke), the larger of that and what the prompts sent there say; the sent
-    prompts alone for an engine without events (prefix_index)."""
+def record(pool: Pool, url: str, affinity: Affinity, now: float) -> None:
+    """A prompt sent to url (here, or by another worker of the data plane): in both indexes."""
+    pool.index.record(url, affinity.blocks)
+    exact = pool.exact.get(url)
+    if exact is not None and exact.block_size and affinity.tokens:
+        exact.expect(affinity.token_blocks(exact.block_size), now + PENDING_S)
+
+
+def cached_share(pool: Pool, url: str, affinity: Affinity, now: float) -> float:
+    """The part of the prompt (0 to 1) that url's prefix cache holds. Exactly, from its engine's events
+    (with what was just sent there and is on its way into the cache), when they cover everything sent
+    there (the feed began before the first request); where they may not (the feed began later, or broke),
+    the larger of that and what the prompts sent there say; the sent prompts alone for an engine without
+    events (prefix_index)."""
     blocks = affinity.blocks
     approximate = pool.index.match(url, blocks) / len(blocks) if blocks else 0.0
     exact = pool.exact.get(url)
     if exact is None or not exact.block_size or affinity.tokens is None:
         return approximate
     token_blocks = affinity.token_blocks(exact.block_size)
-    held = exact.match(token_blocks) / len(token_blocks) if token_blocks else 0.0
+    held = exact.match(token_blocks, now) / len(token_blocks) if token_blocks else 0.0
     return held if exact.complete else max(held, approximate)
 
 
-def cache_holder(pool: Pool, backends: list[Backend], affinity: Affinity, turn: int) -> Backend | None:
+def cache_holder(pool: Pool, backends: list[Backend], affinity: Affinity, turn: int, now: float) -> Backend | None:
     """The backend holding the largest leading part of the prompt (the least loaded of those that hold as
     much), when that part is worth following and that backend is not overloaded; else None."""
-    shares = [cached_share(pool, b.url, affinity) for b in backends]
+    shares = [cached_share(pool, b.url, affinity, now) for b in backends]
     largest = max(shares)
     if largest == 0 or largest < MATCH_FRACTION:
         return None

@@ -188,8 +188,8 @@ class DataPlane:
             if backend is None:
                 hold_until = hold_until or time.monotonic() + self.settings.hold_s  # one hold per request
                 backend = await self.hold(affinity, hold_until)
-            if self.peers is not None and affinity is not None and affinity.blocks:
-                self.peers.tell(backend.url, affinity.blocks)
+            if self.peers is not None and affinity is not None and (affinity.blocks or affinity.tokens):
+                self.peers.tell(backend.url, affinity)
             tried += (backend,)
             backend.in_flight += 1
             backend.requests += 1

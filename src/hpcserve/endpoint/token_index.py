@@ -4,7 +4,8 @@ the blocks' token ids. No I/O; updated as events arrive, read for every request.
     index = TokenIndex()
     index.apply(events)                           # BlockStored / BlockRemoved / AllBlocksCleared, in order
     blocks = token_blocks(token_ids, index.block_size)
-    index.match(blocks)                           # leading blocks the engine holds now
+    index.expect(blocks, until)                   # sent there: count them as held until then, or until stored
+    index.match(blocks, now)                      # leading blocks the engine holds now (or will, expected)
 
 vLLM names a block by a hash of its tokens chained over every block before it; that hash is seeded per
 engine (and may be bytes or an int), so the index computes its own chain over the same token ids
@@ -12,6 +13,10 @@ engine (and may be bytes or an int), so the index computes its own chain over th
 engine hash, which of its own it stands for, to drop it when the engine evicts it. A block whose parent
 was stored before the feed began cannot be chained: it is skipped (`unchained`), and the prompt's part
 it covers is left to the approximate index (prefix_index).
+
+A prompt sent to the engine is in its cache before the engine says so: its blocks are stored once its
+prefill ran, seconds later under load. Until then (or until `until`) they count as held (`expect`), so that
+its repeats follow it; an engine that clears its cache clears those too.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from hpcserve.engine.kv_events import Cleared, Removed, Stored
 
 ROOT = 0
 MAX_ENTRIES = 1 << 21  # engine blocks one replica's index keeps at most, whatever its engine publishes
+MAX_PENDING = 1 << 18  # expected blocks kept at most (expired ones are dropped first)
 
 
 def token_blocks(token_ids: list[int], block_size: int, start: int = ROOT) -> list[int]:
@@ -41,6 +47,7 @@ class TokenIndex:
         self.block_size = 0  # from the first BlockStored; 0: nothing known yet
         self.ours: dict = {}  # the engine's block hash -> our chained hash
         self.held: dict[int, int] = {}  # our chained hash -> how many engine blocks stand for it
+        self.pending: dict[int, float] = {}  # our chained hash of a block sent there -> expected until (monotonic)
         self.unchained = 0  # stored blocks whose parent the index never saw
         self.events = 0
         self.complete = False  # every block of ours the engine holds is here (kv_feed says when)
@@ -70,6 +77,7 @@ class TokenIndex:
                 continue
             self.ours[engine_hash] = ours
             self.held[ours] = self.held.get(ours, 0) + 1
+            self.pending.pop(ours, None)
 
     def drop(self, engine_hash) -> None:
         ours = self.ours.pop(engine_hash, None)
@@ -84,12 +92,24 @@ class TokenIndex:
     def clear(self) -> None:
         self.ours.clear()
         self.held.clear()
+        self.pending.clear()
 
-    def match(self, blocks: list[int]) -> int:
-        """How many of the leading blocks the engine holds."""
-        held, depth = self.held, 0
+    def expect(self, blocks: list[int], until: float) -> None:
+        """Blocks just sent to the engine: held, as far as match() tells, until `until` or their events."""
+        pending, held = self.pending, self.held
+        if len(pending) + len(blocks) > MAX_PENDING:
+            now = min(pending.values(), default=until)
+            for block in [b for b, t in pending.items() if t <= now]:
+                del pending[block]
         for block in blocks:
             if block not in held:
+                pending[block] = until
+
+    def match(self, blocks: list[int], now: float | None = None) -> int:
+        """How many of the leading blocks the engine holds (or, given `now`, is expected to hold)."""
+        held, pending, depth = self.held, self.pending, 0
+        for block in blocks:
+            if block not in held and (now is None or pending.get(block, 0.0) <= now):
                 break
             depth += 1
         return depth

@@ -6,8 +6,8 @@ is one core, and a busy endpoint needs more than one.
 Each worker is a whole data plane (dataplane.serve) on its own SO_REUSEPORT socket of the port; the kernel
 spreads new connections over them. They are forked from this process before any event loop runs, so they
 share its hash seed and name prompt blocks alike (prefix_index), and each tells the others, over a pair of
-Unix datagram sockets made here, which blocks it sent to which backend: every worker routes with what all
-of them sent. A message lost under load (a full socket buffer) costs a little affinity, never a request.
+Unix datagram sockets made here, which prompts (text blocks and token ids) it sent to which backend: every
+worker routes with what all of them sent, and follows every engine's KV events itself (kv_feed). A message lost under load (a full socket buffer) costs a little affinity, never a request.
 
 The supervisor keeps the admin socket: PUT /backends goes to every worker's own socket (in the same
 owner-only folder); GET /backends and /metrics are the workers' answers merged (in-flight counts and
@@ -25,6 +25,7 @@ import json
 import os
 import signal
 import socket
+import struct
 import sys
 import time
 import traceback
@@ -33,13 +34,15 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from hpcserve.endpoint.balance import BackendSpec, Pool
+from hpcserve.endpoint.balance import Affinity, BackendSpec, Pool, record
 from hpcserve.endpoint.plane_metrics import Collector, Stats, merged_backends
 from hpcserve.endpoint.plane_server import bind_admin_socket, metrics_response, owner_only
 from hpcserve.endpoint.wire import PROCESS_TITLE
 
 PR_SET_PDEATHSIG = 1
-DATAGRAM_BYTES = 1 << 18  # one message: a URL and up to MAX_BLOCKS 8-byte hashes, well within this
+DATAGRAM_BYTES = 1 << 18  # one message: a URL, up to MAX_BLOCKS 8-byte hashes and MAX_TOKENS token ids
+MAX_TOKENS = 16384  # of a prompt's token ids, what siblings hear (routing looks at the leading part)
+COUNTS = struct.Struct("=II")  # text blocks, token ids
 WORKER_CALL_S = 10.0
 WORKER_START_S = 30.0
 REAP_S = 0.5
@@ -54,8 +57,11 @@ class Peers:
         for sock in sockets:
             sock.setblocking(False)
 
-    def tell(self, url: str, blocks) -> None:
-        message = url.encode() + b"\n" + array.array("q", blocks).tobytes()
+    def tell(self, url: str, affinity: Affinity) -> None:
+        """What was sent to url: the prompt's text blocks and its token ids (the leading MAX_TOKENS)."""
+        tokens = (affinity.tokens or [])[:MAX_TOKENS]
+        message = (url.encode() + b"\n" + COUNTS.pack(len(affinity.blocks), len(tokens))
+                   + array.array("q", affinity.blocks).tobytes() + array.array("q", tokens).tobytes())
         for sock in self.sockets:
             try:
                 sock.send(message)
@@ -75,10 +81,12 @@ class Peers:
                 return
             url, _, raw = message.partition(b"\n")
             url = url.decode(errors="replace")
-            if url in pool.by_url:  # a backend this worker knows: the same membership, a PUT apart at most
-                blocks = array.array("q")
-                blocks.frombytes(raw[:len(raw) - len(raw) % 8])
-                pool.index.record(url, blocks.tolist())
+            if url in pool.by_url and len(raw) >= COUNTS.size:  # a backend this worker knows (a PUT apart at most)
+                texts, tokens = COUNTS.unpack_from(raw)
+                numbers = array.array("q")
+                numbers.frombytes(raw[COUNTS.size:COUNTS.size + 8 * (texts + tokens)])
+                values = numbers.tolist()
+                record(pool, url, Affinity(None, values[:texts], values[texts:] or None), time.monotonic())
 
 
 def worker_socket(admin_socket: Path, index: int) -> Path:
