@@ -14,7 +14,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hpcserve.core.config import DeploymentConfig, Layout, slots_per_node
+from hpcserve.core.config import DeploymentConfig, Layout
+from hpcserve.core.config_checks import slots_per_node
 from hpcserve.core.errors import StageError
 from hpcserve.engine.args import EngineRole, cpu_thread_binding, engine_argv
 from hpcserve.engine.client import completion_probe, health_ok

@@ -13,7 +13,8 @@ import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from hpcserve.core.config import DeploymentConfig, Layout, slots_per_node
+from hpcserve.core.config import DeploymentConfig, Layout
+from hpcserve.core.config_checks import slots_per_node
 from hpcserve.core.registry import Record
 from hpcserve.core.runstate import RunState, read_timeline
 from hpcserve.core.statuses import MemberRole, MemberStatus
