@@ -55,6 +55,7 @@ from hpcserve.endpoint.run import (
 from hpcserve.core.net import is_loopback, port_free
 from hpcserve.engine.client import Endpoint, health_ok
 from hpcserve.monitoring.metrics import Gatherer
+from hpcserve.planning import model_source
 from hpcserve.planning.planner import check_config_layout
 from hpcserve.raycluster.nodefiles import remove_run_node_folders
 from hpcserve.slurm.parse import time_limit_seconds
@@ -97,9 +98,9 @@ def prepare(config: str | Path | DeploymentConfig) -> tuple[DeploymentConfig, st
                          "first, or change 'name' in the config")
     preflight.check_scheduler(cfg)
     preflight.check_folders(cfg)  # nobody else can plant files where the run's processes read them
-    model_path = preflight.resolve_model_path(cfg)
-    preflight.check_weights_here(cfg, model_path)  # local scheduler: the weights must be here to serve
-    model_config = preflight.model_config_for(cfg, model_path)
+    model_path = model_source.resolve_model_path(cfg)
+    model_source.check_weights_here(cfg, model_path)  # local scheduler: the weights must be here to serve
+    model_config = model_source.model_config_for(cfg, model_path)
     layout = cfg.parallelism if isinstance(cfg.parallelism, Layout) else None
     if layout and model_config:
         problems = check_config_layout(cfg, model_config, layout)

@@ -29,10 +29,10 @@ from hpcserve.core.runstate import RunState
 from hpcserve.core.statuses import RunStatus, Stage, StageEvent
 from hpcserve.core.tables import narrow_table
 from hpcserve.core.timeline import breakdown_line
-from hpcserve.deployment.preflight import model_config_for, resolve_model_path
 from hpcserve.deployment.runs import config_yaml
 from hpcserve.endpoint.holding import describe as describe_holding
 from hpcserve.planning.catalog import listing
+from hpcserve.planning.model_source import model_config_for, resolve_model_path
 from hpcserve.planning.planner import check_config_layout, plan_for_config
 from hpcserve.planning.report import explain, render_plan_table
 from hpcserve.raycluster.health import HealthReport, render_lines, render_table

@@ -27,18 +27,16 @@ import psutil
 from hpcserve.core.config import DeploymentConfig, load_config
 from hpcserve.core.errors import StageError, UnsafePathError
 from hpcserve.core.folders import private_dir
-from hpcserve.core.keys import read_api_key
 from hpcserve.core.paths import RunPaths
 from hpcserve.core.runstate import RunStateWriter
 from hpcserve.core.statuses import RunStatus, Stage
-from hpcserve.deployment.preflight import model_config_for, resolve_model_path
 from hpcserve.deployment.process import install_stop_handlers, process_main, run_to_end
-from hpcserve.deployment.replicas import ReplicaSet
 from hpcserve.deployment.runs import CHECK_ONLY_ENV
 from hpcserve.engine.client import READY_PROMPT
 from hpcserve.engine.load_format import choose, load_format_args
+from hpcserve.engine.replicas import ReplicaSet, engine_key
 from hpcserve.monitoring.sampler import start_samplers
-from hpcserve.planning.planner import layout_for
+from hpcserve.planning.model_source import model_and_layout
 from hpcserve.raycluster.cluster import ClusterPlan, RayCluster
 from hpcserve.raycluster.health import run_health_check
 from hpcserve.raycluster.launch import LocalLauncher, SrunLauncher
@@ -131,8 +129,7 @@ def check_health(cfg: DeploymentConfig, cluster, run_dir: Path, writer: RunState
 
 def start_engines(cfg: DeploymentConfig, parts: Deployment, run_dir: Path, writer: RunStateWriter) -> None:
     """Start every replica's engines, watched by the samplers; returns while they load."""
-    model_path = resolve_model_path(cfg)
-    layout = layout_for(cfg, model_config_for(cfg, model_path))
+    model_path, layout = model_and_layout(cfg)
     loader = choose(cfg.engine.load_format, cfg.engine.args, cfg.on_gpu)
     writer.begin("engine", f"{layout.replicas} replica(s) of tensor {layout.tensor} x pipeline {layout.pipeline}; "
                  f"weights: {loader.reason}")
@@ -144,15 +141,6 @@ def start_engines(cfg: DeploymentConfig, parts: Deployment, run_dir: Path, write
     for proc in replicas.processes():
         parts.samplers[proc.hostname].watch.remote([proc.pid])
     writer.update(replicas=replica_rows(replicas, cfg, healthy=False))
-
-
-def engine_key(cfg: DeploymentConfig, run_dir: Path) -> str | None:
-    """The key every engine requires: the run folder's copy, written before this driver started."""
-    key = read_api_key(run_dir)
-    if key is None and not cfg.serve.insecure_no_api_key:
-        raise StageError("engine", f"no API key in {RunPaths(run_dir).api_key}: `hpcserve up` writes it there "
-                         "before the driver starts, and engines never run without one", str(run_dir))
-    return key
 
 
 def wait_engines_ready(cfg: DeploymentConfig, replicas, writer: RunStateWriter) -> None:

@@ -22,8 +22,8 @@ from hpcserve.core.config import DeploymentConfig, Layout, load_config
 from hpcserve.core.config_checks import slots_per_node
 from hpcserve.core.runstate import read_timeline
 from hpcserve.core.timeline import stage_durations
-from hpcserve.deployment.preflight import model_config_for, resolve_model_path
 from hpcserve.monitoring.sampler import read_samples
+from hpcserve.planning.model_source import model_config_for, resolve_model_path
 
 
 @dataclass

@@ -17,6 +17,8 @@ from pathlib import Path
 from hpcserve.core.config import DeploymentConfig, Layout
 from hpcserve.core.config_checks import slots_per_node
 from hpcserve.core.errors import StageError
+from hpcserve.core.keys import read_api_key
+from hpcserve.core.paths import RunPaths
 from hpcserve.engine.args import EngineRole, cpu_thread_binding, engine_argv
 from hpcserve.engine.client import completion_probe, health_ok
 from hpcserve.engine.compile_cache import (
@@ -28,6 +30,15 @@ from hpcserve.engine.compile_cache import (
 )
 from hpcserve.engine.host import EngineHost
 from hpcserve.engine.logs import engine_error
+
+
+def engine_key(cfg: DeploymentConfig, run_dir: Path) -> str | None:
+    """The key every engine requires: the run folder's copy, written before the driver started."""
+    key = read_api_key(run_dir)
+    if key is None and not cfg.serve.insecure_no_api_key:
+        raise StageError("engine", f"no API key in {RunPaths(run_dir).api_key}: `hpcserve up` writes it there "
+                         "before the driver starts, and engines never run without one", str(run_dir))
+    return key
 
 
 @dataclass(frozen=True)
