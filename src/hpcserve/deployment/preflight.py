@@ -1,20 +1,57 @@
-"""Checks before anything starts: a bad model path, a busy port, a layout the model cannot take or a
-walltime too short for the walltime handover is reported as a ConfigError (exit code 2) with nothing
-started. What the deployment serves (its model, its layout) is decided by planning.model_source."""
+"""Checks before anything starts: a deployment of the same name running, a bad model path, a busy port, a
+layout the model cannot take or a walltime too short for the walltime handover is reported as a
+ConfigError or UsageError (exit code 2) with nothing started.
+
+    prepare(cfg, source)   every check `up` runs before it starts anything, in order; returns what it
+                           found (the model and the configured layout)
+"""
 
 from __future__ import annotations
 
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
-from hpcserve.core.config import DeploymentConfig
-from hpcserve.core.errors import ConfigError
+from hpcserve.core.config import DeploymentConfig, Layout
+from hpcserve.core.errors import ConfigError, UsageError
 from hpcserve.core.folders import check_not_shared
 from hpcserve.core.net import is_loopback, port_free
-from hpcserve.core.registry import check_home
-from hpcserve.planning.model_source import weight_bytes
+from hpcserve.core.registry import check_home, list_names, load_record
+from hpcserve.deployment.runs import is_running
+from hpcserve.planning.model_source import check_weights_here, model_config_for, resolve_model_path, weight_bytes
+from hpcserve.planning.planner import check_config_layout
 from hpcserve.planning.walltime import WalltimeCheck, startup_before_measurement
 from hpcserve.slurm.parse import WillRun, slurm_epoch, time_limit_seconds
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What the checks found: the folder (or hub id) vLLM loads and the configured layout (None with
+    `parallelism: auto`: planned where the replicas are launched)."""
+
+    model_path: str
+    layout: Layout | None
+
+
+def prepare(cfg: DeploymentConfig, source: str) -> Prepared:
+    """Every check before `up` starts anything; source: where the config came from, for messages."""
+    if cfg.name in list_names() and is_running(load_record(cfg.name)):
+        raise UsageError(f"a deployment named '{cfg.name}' is already running: `hpcserve down {cfg.name}` "
+                         "first, or change 'name' in the config")
+    check_scheduler(cfg)
+    check_folders(cfg)  # nobody else can plant files where the run's processes read them
+    model_path = resolve_model_path(cfg)
+    check_weights_here(cfg, model_path)  # local scheduler: the weights must be here to serve
+    model_config = model_config_for(cfg, model_path)
+    layout = cfg.parallelism if isinstance(cfg.parallelism, Layout) else None
+    if layout and model_config:
+        problems = check_config_layout(cfg, model_config, layout)
+        if problems:
+            raise ConfigError(f"{source}: parallelism {layout.tensor}x{layout.pipeline}x{layout.replicas} "
+                              f"(tensor x pipeline x replicas) cannot serve this model: {'; '.join(problems)}. "
+                              "Run `hpcserve plan CONFIG` for a layout that fits")
+    check_port(cfg, (layout.replicas if layout else 1) + (1 if cfg.serve.router else 0))
+    return Prepared(model_path, layout)
 
 
 RESULTS_FIX = ("Set results_dir to a folder only you can write (under your home, or $SCRATCH/$USER), or remove "
