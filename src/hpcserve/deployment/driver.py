@@ -130,17 +130,18 @@ def check_health(cfg: DeploymentConfig, cluster, run_dir: Path, writer: RunState
 def start_engines(cfg: DeploymentConfig, parts: Deployment, run_dir: Path, writer: RunStateWriter) -> None:
     """Start every replica's engines, watched by the samplers; returns while they load."""
     model_path, layout = model_and_layout(cfg)
+    master_port, gcs_address = parts.cluster.ports.engine_master, parts.cluster.gcs_address  # what they need of Ray
     loader = choose(cfg.engine.load_format, cfg.engine.args, cfg.on_gpu)
     writer.begin("engine", f"{layout.replicas} replica(s) of tensor {layout.tensor} x pipeline {layout.pipeline}; "
                  f"weights: {loader.reason}")
     api_key = engine_key(cfg, run_dir)
-    replicas = ReplicaSet(cfg, layout, model_path, run_dir, api_key, parts.cluster.ports.engine_master,
-                          parts.cluster.gcs_address, load_format_args(loader))
+    replicas = ReplicaSet(cfg, layout, model_path, run_dir, api_key, master_port, gcs_address,
+                          load_format_args(loader))
     parts.replicas = replicas  # torn down even if it fails half-way
     replicas.start()
     for proc in replicas.processes():
         parts.samplers[proc.hostname].watch.remote([proc.pid])
-    writer.update(replicas=replica_rows(replicas, cfg, healthy=False))
+    writer.update(replicas=replicas.rows(healthy=False))
 
 
 def wait_engines_ready(cfg: DeploymentConfig, replicas, writer: RunStateWriter) -> None:
@@ -148,12 +149,7 @@ def wait_engines_ready(cfg: DeploymentConfig, replicas, writer: RunStateWriter) 
     writer.update(stage="engine")
     answers = replicas.wait_ready(cfg.engine.startup_timeout_s)
     writer.done("engine")
-    writer.update(replicas=replica_rows(replicas, cfg, healthy=True),
-                    ready_check={"prompt": READY_PROMPT, "answers": answers})
-
-
-def replica_rows(replicas, cfg: DeploymentConfig, healthy: bool) -> list[dict]:
-    return [{**r.to_dict(), "model": cfg.model.name, "healthy": healthy} for r in replicas.replicas]
+    writer.update(replicas=replicas.rows(healthy=True), ready_check={"prompt": READY_PROMPT, "answers": answers})
 
 
 def watch(replicas) -> None:

@@ -204,6 +204,10 @@ class ReplicaSet:
     def processes(self) -> list[EngineProcess]:
         return [p for r in self.replicas for p in r.processes]
 
+    def rows(self, healthy: bool) -> list[dict]:
+        """The replicas as state.json lists them, with the served model's name."""
+        return [{**r.to_dict(), "model": self.cfg.model.name, "healthy": healthy} for r in self.replicas]
+
     def dead_processes(self) -> list[tuple[EngineProcess, int]]:
         import ray
 
