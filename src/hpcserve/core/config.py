@@ -294,8 +294,8 @@ class DeploymentConfig(Strict):
     def executor_for(self, workers: int) -> str:
         """A replica of one worker needs no worker processes: vLLM's uni executor runs it in the engine
         core's own process (one process fewer to start: 17-22 s against 27-31 s to the first completion
-        for the tiny model on CPU, docs/testing.md; on CPU with VLLM_ENABLE_V1_MULTIPROCESSING=0, set by
-        engine.replicas)."""
+        for the tiny model on CPU, docs/benchmarks/suite-runs.md; on CPU with
+        VLLM_ENABLE_V1_MULTIPROCESSING=0, set by engine.replicas)."""
         if self.engine.executor == "auto" and workers == 1:
             return "uni"
         return self.executor
