@@ -6,7 +6,7 @@
   mp   vLLM on CPU's default for `--distributed-executor-backend uni`: it turns uni into mp, so the worker
        is a process of its own (API server, engine core, worker: three imports of torch and vLLM)
   uni  VLLM_ENABLE_V1_MULTIPROCESSING=0, as hpcserve starts a one-worker replica on CPU
-       (deployment/replicas.py): the worker runs in the engine core's process (two processes)
+       (engine/replicas.py): the worker runs in the engine core's process (two processes)
 --compare kv: uni, with the KV cache the examples had (VLLM_CPU_KVCACHE_SPACE=1, 1 GiB) and the one they
   and the tests have now (--kv-cache-memory-bytes 64 MiB): vLLM on CPU allocates the whole cache at start.
 --compare start: uni, 64 MiB, the engine core started as vLLM on CPU starts it (spawn: it imports torch and

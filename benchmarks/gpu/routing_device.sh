@@ -6,8 +6,8 @@
 # through the data plane against the client's own round robin over the replicas (stress: direct).
 # The call sequence is in ROUTING_CALLS.md beside this file; the tables come from routing_summary.py.
 #
-# Built on i20_device.sh (sourced as a library: its settings, replica/data-plane/metrics helpers), with
-# i20_prefix_client.py as the client and i20_model.py for the model folder. One phase per device call:
+# Built on device_lib.sh (sourced: its settings, replica/data-plane/metrics helpers), with
+# prefix_client.py as the client and model_folder.py for the model folder. One phase per device call:
 #
 #   model                         the model folder (config + tokenizer, dummy weights) and the chat template
 #   start                         model, then both replicas started in sessions of their own (setsid): they
@@ -26,58 +26,58 @@
 #   stop                          stop the kept replicas
 #
 # WORKLOAD (K = each replica's KV cache in tokens, from vLLM's log; the pool holds 2K; prompts of the words
-# w3..w9999, one token each, i20_model.py's tokenizer; every request streamed, ignore_eos, no session header):
+# w3..w9999, one token each, model_folder.py's tokenizer; every request streamed, ignore_eos, no session header):
 #   fit     round(0.6 x 2K / 1900) prefixes of 1900 tokens (0.6 x the pool), 6 requests each in random order,
 #           each prefix + its own 100-token suffix, 16 output tokens, 128 in flight
 #   evict   round(2.5 x 2K / 1900) prefixes (2.5 x the pool), 3 requests each, otherwise as fit
 #   chat    round(1.2 x K / 1788) conversations of 6 turns on /v1/chat/completions (each turn 250 new user
 #           tokens, 48 output tokens; turn k sends all earlier turns), 32 conversations at a time
 #   stress  768 distinct 256-token prompts (3 x 256), 256 output tokens each, 256 in flight
-# POLICY: hps:prefix (hpcserve.endpoint.dataplane from $I20_SRC, a fresh one per run; --workers
+# POLICY: hps:prefix (hpcserve.endpoint.dataplane from $BENCH_SRC, a fresh one per run; --workers
 #   $ROUTING_HPS_WORKERS when its --help lists --workers; each backend's "kv_tokens": K when its BackendSpec
 #   takes it), cache_aware, round_robin (vllm-router 0.1.17, defaults), direct (no router: the client sends
 #   request i to replica i mod 2). Defaults: fit/evict/chat hps:prefix cache_aware round_robin; stress
 #   hps:prefix direct; ROUTING_POLICIES_<WORKLOAD> (e.g. ROUTING_POLICIES_FIT="hps:prefix round_robin") changes it.
 # Every run: a fresh router, both replicas' prefix caches reset (POST /reset_prefix_cache), their /metrics
 # before and after (prefix_cache_hits/queries in tokens, the client's 8 warm-ups included), the client's
-# best_hit_tokens (what an oracle router could hit on what was sent; i20_prefix_client.py says how).
+# best_hit_tokens (what an oracle router could hit on what was sent; prefix_client.py says how).
 # Results under $OUT (at most 5 files): summary.txt (the log), results.jsonl (every run so far, all calls),
 # tables.md (routing_summary.py of it), raw_PHASE.tar.gz (client, router and replica logs, per-request
 # records), workers.json (the workers phase).
 # Knobs: ROUTING_DIR (/tmp/routing: state kept between calls), ROUTING_KV_BYTES (17179869184 = 16 GiB of KV
-# cache a replica = 131,072 tokens), ROUTING_HPS_WORKERS (2), I20_SRC (the src folder of the data plane to
+# cache a replica = 131,072 tokens), ROUTING_HPS_WORKERS (2), BENCH_SRC (the src folder of the data plane to
 # measure; default this checkout's src), ROUTING_VLLM (a `vllm` stand-in for CPU dry runs:
-# "python3 benchmarks/gpu/vllm_standin.py", with I20_COMMON="--served-model-name m" and small R_* sizes),
+# "python3 benchmarks/gpu/vllm_standin.py", with BENCH_COMMON="--served-model-name m" and small R_* sizes),
 # R_PREFIX_LEN (1900) R_SUFFIX_LEN (100) R_FIT_REPEATS (6) R_EVICT_REPEATS (3) R_CONC (128) R_CHAT_CONC (32)
 # R_CHAT_TURNS (6) R_CHAT_USER (250) R_CHAT_OUT (48) R_STRESS_N (768) R_STRESS_PROMPT (256) R_STRESS_OUT (256)
 # R_STRESS_CONC (256) R_MIN_PREFIXES (4), R_EST (the first guess of a run's seconds, before one was measured).
 set -uo pipefail
 RHERE=$(cd "$(dirname "$0")" && pwd)
-export I20=${ROUTING_DIR:-/tmp/routing}
-export I20_KV_BYTES=${ROUTING_KV_BYTES:-17179869184}
-[ -n "${ROUTING_VLLM:-}" ] && export I20_VLLM=$ROUTING_VLLM
-I20_LIB=1 source "$RHERE/i20_device.sh" "$@"   # sets PHASE, BUDGET, ARGS, OUT, RAW, RES, SUM, MODEL, VC, SRC ...
+export BENCH_DIR=${ROUTING_DIR:-/tmp/routing}
+export BENCH_KV_BYTES=${ROUTING_KV_BYTES:-17179869184}
+[ -n "${ROUTING_VLLM:-}" ] && export BENCH_VLLM=$ROUTING_VLLM
+source "$RHERE/device_lib.sh" "$@"   # sets PHASE, BUDGET, ARGS, OUT, RAW, RES, SUM, MODEL, VC, SRC ...
 
 STOP=""; SPECS=()
 for x in "${ARGS[@]}"; do case $x in --stop) STOP=1;; *) SPECS+=("$x");; esac; done
-REP=$I20/rep; mkdir -p "$REP"
-TEMPLATE=$I20/chat_template.jinja
+REP=$BENCH_DIR/rep; mkdir -p "$REP"
+TEMPLATE=$BENCH_DIR/chat_template.jinja
 # One space after each message's content: turn k's prompt is turn k-1's prompt and answer, word for word.
-export I20_REPLICA_EXTRA="--enable-prompt-tokens-details --chat-template $TEMPLATE"
+export BENCH_REPLICA_EXTRA="--enable-prompt-tokens-details --chat-template $TEMPLATE"
 ROUTING_HPS_WORKERS=${ROUTING_HPS_WORKERS:-2}
 # The replicas publish their KV events as hpcserve's engines do (engine/kv_events.py: the relay middleware on
 # their port, the publisher on an IPC socket that hpcserve.engine.vllm_cli adds), for every policy alike; the
 # data plane follows them when it takes --tokenizer (ROUTING_KV_EVENTS=0: neither).
 if [ "${ROUTING_KV_EVENTS:-1}" = 1 ] && [ -f "$SRC/hpcserve/engine/kv_events.py" ]; then
   [ -z "${ROUTING_VLLM:-}" ] && VLLM="env PYTHONPATH=$SRC $PY -m hpcserve.engine.vllm_cli"
-  I20_REPLICA_EXTRA="$I20_REPLICA_EXTRA --middleware hpcserve.engine.kv_events.KvEventsRelay"
+  BENCH_REPLICA_EXTRA="$BENCH_REPLICA_EXTRA --middleware hpcserve.engine.kv_events.KvEventsRelay"
   ROUTING_KV_EVENTS=1
 else ROUTING_KV_EVENTS=0; fi
 
-cleanup() { # replaces i20_device.sh's: routers stopped, kept replicas left running (unless --stop/stop)
+cleanup() { # replaces device_lib.sh's: routers stopped, kept replicas left running (unless --stop/stop)
   local p
   for p in "${STARTED[@]}"; do kill -0 "$p" 2>/dev/null && stop_tree "$p"; done
-  rm -f "$I20/pid.router"
+  rm -f "$BENCH_DIR/pid.router"
   [ -n "$STOP" ] && stop_replicas
   cp "$REP"/replica*.log "$RAW/" 2>/dev/null
   tar czf "$OUT/raw_$PHASE.tar.gz" -C "$RAW" . 2>/dev/null
@@ -91,11 +91,11 @@ write_template() {
   [ -s "$TEMPLATE" ] || printf '%s' "{% for message in messages %}{{ message['content'] }} {% endfor %}" > "$TEMPLATE"
 }
 
-rep_pid() { cat "$I20/pid.replica$1" 2>/dev/null; }
+rep_pid() { cat "$BENCH_DIR/pid.replica$1" 2>/dev/null; }
 rep_alive() { local p; p=$(rep_pid "$1"); [ -n "$p" ] && kill -0 "$p" 2>/dev/null; }
 start_replica() { # IDX: in a session of its own, log in $REP (kept between calls)
   [ -e "$REP/replica$1.log" ] && mv "$REP/replica$1.log" "$REP/replica$1.$(date +%H%M%S).old.log"
-  I20_KEEP=1 RAW=$REP replica "$1" "800$1"
+  BENCH_KEEP=1 RAW=$REP replica "$1" "800$1"
   date +%s > "$REP/started$1"
   log "replica $1: started (pid $BG, kept)"
 }
@@ -108,7 +108,7 @@ ensure_replicas() { # the replicas kept from an earlier call, else new ones (sta
 }
 stop_replicas() {
   local i
-  for i in 1 2; do rep_alive $i && { log "stopping replica $i (pid $(rep_pid $i))"; stop_tree "$(rep_pid $i)"; }; rm -f "$I20/pid.replica$i"; done
+  for i in 1 2; do rep_alive $i && { log "stopping replica $i (pid $(rep_pid $i))"; stop_tree "$(rep_pid $i)"; }; rm -f "$BENCH_DIR/pid.replica$i"; done
 }
 wait_replicas() { # both answer a completion; one that died is started again once (alone)
   local i rc t0 tries
@@ -127,14 +127,14 @@ wait_replicas() { # both answer a completion; one that died is started again onc
 }
 
 hps_features() { # what the data plane to measure accepts: --workers, kv_tokens
-  I20_HPS_ARGS=""; HPS_KV_OK=0
+  BENCH_HPS_ARGS=""; HPS_KV_OK=0
   local help; help=$(PYTHONPATH=$SRC $PY -m hpcserve.endpoint.dataplane --help 2>/dev/null)
-  echo "$help" | grep -q -- '--workers' && I20_HPS_ARGS="--workers $ROUTING_HPS_WORKERS"
+  echo "$help" | grep -q -- '--workers' && BENCH_HPS_ARGS="--workers $ROUTING_HPS_WORKERS"
   if [ $ROUTING_KV_EVENTS = 1 ] && echo "$help" | grep -q -- '--tokenizer'; then
-    I20_HPS_ARGS="$I20_HPS_ARGS --tokenizer $MODEL --chat-template $TEMPLATE"; fi
+    BENCH_HPS_ARGS="$BENCH_HPS_ARGS --tokenizer $MODEL --chat-template $TEMPLATE"; fi
   grep -q 'kv_tokens' "$SRC/hpcserve/endpoint/balance.py" 2>/dev/null && HPS_KV_OK=1
-  export I20_HPS_ARGS
-  log "data plane from $SRC: extra args '${I20_HPS_ARGS}', kv_tokens $([ $HPS_KV_OK = 1 ] && echo sent || echo 'not accepted: not sent'), replicas' KV events $([ $ROUTING_KV_EVENTS = 1 ] && echo on || echo off)"
+  export BENCH_HPS_ARGS
+  log "data plane from $SRC: extra args '${BENCH_HPS_ARGS}', kv_tokens $([ $HPS_KV_OK = 1 ] && echo sent || echo 'not accepted: not sent'), replicas' KV events $([ $ROUTING_KV_EVENTS = 1 ] && echo on || echo off)"
 }
 
 workload_args() { # WORKLOAD -> CARGS (client arguments), EST (seconds a run may take, a first guess)
@@ -175,7 +175,7 @@ run_one() { # WORKLOAD POLICY SEED ROUND: one run; WALL = its seconds
     direct) url=http://127.0.0.1:8001,http://127.0.0.1:8002;;
     hps:*)
       if [ $HPS_OK != 1 ]; then log "$wl/$pol skipped: no data plane"; rec phase=rt workload=$wl policy=$pol ok=false skipped=true; WALL=0; return; fi
-      I20_HPS_KV=$([ $HPS_KV_OK = 1 ] && echo "$K") start_hps "${pol#hps:}" "$rlog"; rrc=$?; rp=$BG
+      BENCH_HPS_KV=$([ $HPS_KV_OK = 1 ] && echo "$K") start_hps "${pol#hps:}" "$rlog"; rrc=$?; rp=$BG
       [ $rrc = 0 ] || { log "data plane ($pol) did not start or refused the backends"; fail_tail "$rlog"; stop_tree $rp; WALL=$(since "$t0"); return; };;
     *)
       start_bg router "$rlog" $PY -m vllm_router.launch_router --worker-urls http://127.0.0.1:8001 http://127.0.0.1:8002 \
@@ -188,24 +188,24 @@ run_one() { # WORKLOAD POLICY SEED ROUND: one run; WALL = its seconds
   fi
   local r1 r2 cj md rmj tl
   r1=$(curl -s -m 30 -X POST http://127.0.0.1:8001/reset_prefix_cache); r2=$(curl -s -m 30 -X POST http://127.0.0.1:8002/reset_prefix_cache)
-  $PY "$HERE/i20_util.py" metrics http://127.0.0.1:8001 "$RAW/m${i}_r1_before.json" >/dev/null
-  $PY "$HERE/i20_util.py" metrics http://127.0.0.1:8002 "$RAW/m${i}_r2_before.json" >/dev/null
+  $PY "$HERE/device_util.py" metrics http://127.0.0.1:8001 "$RAW/m${i}_r1_before.json" >/dev/null
+  $PY "$HERE/device_util.py" metrics http://127.0.0.1:8002 "$RAW/m${i}_r2_before.json" >/dev/null
   tl=$(( $(left) - 10 )); [ $tl -lt 30 ] && tl=30
-  cj=$(timeout $tl $PY "$HERE/i20_prefix_client.py" --url "$url" --seed "$seed" --out "$RAW/client_${i}_${wl}_$pn.json" \
+  cj=$(timeout $tl $PY "$HERE/prefix_client.py" --url "$url" --seed "$seed" --out "$RAW/client_${i}_${wl}_$pn.json" \
        "${CARGS[@]}" 2> "$RAW/client_${i}.err" | tail -1)
   if [ -z "$rp" ]; then rmj='{}'
   elif [ "${pol%%:*}" = hps ]; then rmj=$(hps_metrics "$i")
-  else curl -s -m 10 http://127.0.0.1:29001/metrics > "$RAW/router_metrics_$i.txt"; rmj=$($PY "$HERE/i20_util.py" rmetrics "$RAW/router_metrics_$i.txt"); fi
-  $PY "$HERE/i20_util.py" metrics http://127.0.0.1:8001 "$RAW/m${i}_r1_after.json" >/dev/null
-  $PY "$HERE/i20_util.py" metrics http://127.0.0.1:8002 "$RAW/m${i}_r2_after.json" >/dev/null
-  md=$($PY "$HERE/i20_util.py" mdiff "$RAW/m${i}_r1_before.json" "$RAW/m${i}_r1_after.json" "$RAW/m${i}_r2_before.json" "$RAW/m${i}_r2_after.json")
+  else curl -s -m 10 http://127.0.0.1:29001/metrics > "$RAW/router_metrics_$i.txt"; rmj=$($PY "$HERE/device_util.py" rmetrics "$RAW/router_metrics_$i.txt"); fi
+  $PY "$HERE/device_util.py" metrics http://127.0.0.1:8001 "$RAW/m${i}_r1_after.json" >/dev/null
+  $PY "$HERE/device_util.py" metrics http://127.0.0.1:8002 "$RAW/m${i}_r2_after.json" >/dev/null
+  md=$($PY "$HERE/device_util.py" mdiff "$RAW/m${i}_r1_before.json" "$RAW/m${i}_r1_after.json" "$RAW/m${i}_r2_before.json" "$RAW/m${i}_r2_after.json")
   [ -n "$cj" ] || { cj='{}'; log "client failed:"; tail -5 "$RAW/client_${i}.err" | tee -a "$SUM"; }
-  [ -n "$rp" ] && { stop_tree $rp; rm -f "$I20/pid.router"; }
+  [ -n "$rp" ] && { stop_tree $rp; rm -f "$BENCH_DIR/pid.router"; }
   WALL=$(since "$t0")
   log "$wl/$pol round $round seed $seed: $WALL s (reset: $r1 $r2)"; log "  client: $cj"; log "  metrics: $md"; log "  router: $rmj"
   echo "$cj" | grep -q '"failed": 0,' || log "  WARNING: $wl/$pol had failed requests (or no client summary)"
   rec phase=rt workload=$wl policy=$pol seed=$seed round=$round ok=true wall_s=$WALL "client=$cj" "metrics=$md" "router=$rmj" \
-      kv_tokens=$K "hps_args=${I20_HPS_ARGS:-}" hps_kv=$HPS_KV_OK "src=$SRC" run=$i "call=$(basename "$RAW")"
+      kv_tokens=$K "hps_args=${BENCH_HPS_ARGS:-}" hps_kv=$HPS_KV_OK "src=$SRC" run=$i "call=$(basename "$RAW")"
 }
 
 phase_bench() {
@@ -219,26 +219,26 @@ phase_bench() {
   done
   hps_check; hps_features
   ensure_replicas; wait_replicas || { log "replicas not ready"; return 1; }
-  local l1 l2; l1=$($PY "$HERE/i20_util.py" logstats "$REP/replica1.log"); l2=$($PY "$HERE/i20_util.py" logstats "$REP/replica2.log")
+  local l1 l2; l1=$($PY "$HERE/device_util.py" logstats "$REP/replica1.log"); l2=$($PY "$HERE/device_util.py" logstats "$REP/replica2.log")
   rec phase=rt step=replicas "r1=$l1" "r2=$l2" "call=$(basename "$RAW")"
   log "replica 1: $l1"; log "replica 2: $l2"
   nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader 2>/dev/null | sed 's/^/GPU memory: /' | tee -a "$SUM"
   K=$(echo "$l1" | $PY -c 'import json,sys; print(int(json.load(sys.stdin).get("kv_cache_tokens") or 0))')
   [ "$K" -gt 0 ] || { log "no KV cache size in replica 1's log"; return 1; }
-  HPS_CAP=${I20_HPS_CAP:-256}
+  HPS_CAP=${BENCH_HPS_CAP:-256}
   for spec in "${SPECS[@]}"; do
     wl=${spec%%:*}; rounds=${spec#*:}; [ "$rounds" = "$spec" ] && rounds=2
     workload_args "$wl"; est=$EST; local measured=0
     read -r -a pols <<< "$(default_policies "$wl")"
     log "== $wl: ${rounds} round(s) of ${pols[*]}; client ${CARGS[*]}"
     for ((n = 0; n < rounds; n++)); do
-      r=$(cat "$I20/rounds.$wl" 2>/dev/null || echo 0)   # rounds are numbered across calls: new seeds
+      r=$(cat "$BENCH_DIR/rounds.$wl" 2>/dev/null || echo 0)   # rounds are numbered across calls: new seeds
       w=$(case $wl in fit) echo 1;; evict) echo 2;; chat) echo 3;; stress) echo 4;; esac)
       need=$(( ${#pols[@]} * (est + 3) + 5 ))   # est: the slowest run of this workload so far, else a guess
       if [ "$(left)" -lt $need ]; then
         log "$wl round $r skipped: $(left) s left, a round needs ~$need"; rec phase=rt workload=$wl round=$r ok=false skipped=true; break
       fi
-      echo $((r + 1)) > "$I20/rounds.$wl"
+      echo $((r + 1)) > "$BENCH_DIR/rounds.$wl"
       if (( r % 2 )); then order=(); for ((c = ${#pols[@]} - 1; c >= 0; c--)); do order+=("${pols[c]}"); done; else order=("${pols[@]}"); fi
       for c in "${order[@]}"; do
         run_one "$wl" "$c" $((1000 + 100 * w + r)) "$r"
@@ -257,7 +257,7 @@ phase_workers() {
   rec phase=workers "result=$(cat "$OUT/workers.json" 2>/dev/null || echo '{}')" seconds=$(since "$t0") "src=$SRC"
 }
 
-log "phase $PHASE (budget $BUDGET s) on $(hostname); state $I20; model $MODEL"
+log "phase $PHASE (budget $BUDGET s) on $(hostname); state $BENCH_DIR; model $MODEL"
 case $PHASE in
   model) ensure_model && write_template;;
   start) ensure_model && write_template && ensure_replicas;;

@@ -56,7 +56,7 @@ B)
   hpcserve_case replicas benchmarks/gpu/h200-replicas.yaml
   ray start --head --num-gpus=2 --disable-usage-stats > "$OUT/plain_ray.log" 2>&1
   t0=$(stamp)
-  # Two vLLMs with the Ray executor on one node need distinct store-port windows (see deployment/replicas.py).
+  # Two vLLMs with the Ray executor on one node need distinct store-port windows (see engine/replicas.py).
   VLLM_DP_MASTER_PORT=30100 $PLAIN --port 8001 --distributed-executor-backend ray > "$OUT/plain_r0.log" 2>&1 & P0=$!
   VLLM_DP_MASTER_PORT=30200 $PLAIN --port 8002 --distributed-executor-backend ray > "$OUT/plain_r1.log" 2>&1 & P1=$!
   wait_ready http://127.0.0.1:8001 $P0 && wait_ready http://127.0.0.1:8002 $P1

@@ -4,7 +4,7 @@
     python3 vllm_standin.py serve MODEL --port P [--kv-cache-memory-bytes B] [--enable-prompt-tokens-details]
                             [--max-num-seqs S] [...]   (other vLLM flags are accepted and ignored)
 
-Tokens are the prompt's whitespace-separated words (i20_model.py's tokenizer: one word, one token); a chat
+Tokens are the prompt's whitespace-separated words (model_folder.py's tokenizer: one word, one token); a chat
 request's prompt is its messages' contents each followed by a space (the template routing_device.sh gives
 vLLM). The prefix cache holds whole 16-token blocks named by a hash chained over everything before them,
 least recently used dropped first, KV_BYTES / 131072 tokens (the Llama-3.1-8B shape's bytes a token), so

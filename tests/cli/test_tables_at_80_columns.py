@@ -18,7 +18,7 @@ from hpcserve.benchmark.compare import columns_by_load, comparison_table
 from hpcserve.benchmark.loadgen import LoadShape, RequestOutput
 from hpcserve.benchmark.report import summary_table
 from hpcserve.benchmark.summary import BenchResult, BenchRun, summarize
-from hpcserve.cli.main import status_view
+from hpcserve.cli.status import status_view
 from hpcserve.cli.sandbox import print_status
 from hpcserve.cli.watch import render
 from hpcserve.core.config import load_config

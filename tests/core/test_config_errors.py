@@ -145,7 +145,8 @@ def test_valid_examples_load():
 
 
 def test_layout_problem_is_pure_and_explains():
-    from hpcserve.core.config import ClusterSpec, Layout, layout_problem
+    from hpcserve.core.config import ClusterSpec, Layout
+    from hpcserve.core.config_checks import layout_problem
 
     gpu = ClusterSpec(scheduler="slurm", nodes=2, gpus_per_node=4)
     assert layout_problem(Layout(tensor=4, pipeline=2), gpu) is None
@@ -159,7 +160,7 @@ def test_layout_problem_is_pure_and_explains():
                                          ("TOKENIZERS_PARALLELISM", False), ("VLLM_MAX_TOKENS", False),
                                          ("VLLM_CPU_KVCACHE_SPACE", False), ("OMP_NUM_THREADS", False)])
 def test_secret_looking_variable_names(name, secret):
-    from hpcserve.core.config import looks_secret
+    from hpcserve.core.config_checks import looks_secret
 
     assert looks_secret(name) is secret
 
@@ -169,13 +170,13 @@ def test_secret_looking_variable_names(name, secret):
                                         ("--api-server-count", False), ("--api", False), ("--middleware", False),
                                         ("api-key", False)])
 def test_every_spelling_vllm_reads_as_api_key(arg, is_key):
-    from hpcserve.core.config import is_api_key_option
+    from hpcserve.core.config_checks import is_api_key_option
 
     assert is_api_key_option(arg) is is_key
 
 
 def test_errors_never_quote_a_secret():
-    from hpcserve.core.config import redacted
+    from hpcserve.core.config_errors import redacted
 
     assert redacted(["engine", "env"], {"HF_TOKEN": "hf_x", "A": "b"}) == {"HF_TOKEN": "***", "A": "***"}
     assert redacted(["engine", "args"], ["--api-key", "s", "--x", "--api_key=t"]) == ["--api-key", "***", "--x",

@@ -76,7 +76,7 @@ def _probe_class():
 
 @pytest.mark.slow
 def test_an_actor_can_ask_ray_not_to_renice_it(ray_local):
-    """What deployment/replicas.py can give EngineHost so that unprivileged users (no CAP_SYS_NICE, where
+    """What engine/replicas.py can give EngineHost so that unprivileged users (no CAP_SYS_NICE, where
     the child's renice is refused) still get the job's priority: Ray's job supervisor does the same."""
     niced = ray_local.remote(_probe_class()).options(num_cpus=0.01).remote()
     kept = ray_local.remote(_probe_class()).options(num_cpus=0.01,

@@ -10,7 +10,7 @@ import pytest
 
 from hpcserve.core.config import ClusterSpec, Layout, parse_config
 from hpcserve.core.errors import ConfigError
-from hpcserve.deployment import preflight
+from hpcserve.planning import model_source
 from hpcserve.planning import catalog
 from hpcserve.planning.model_shape import (
     ModelShape,
@@ -151,9 +151,9 @@ def deployment(path: str, **model) -> dict:
 
 def test_catalogue_plans_when_the_weights_are_not_here(tmp_path):
     cfg = parse_config(deployment(str(tmp_path / "not-staged-yet"), catalog="llama-3.1-70b"))
-    model_path = preflight.resolve_model_path(cfg)
+    model_path = model_source.resolve_model_path(cfg)
     assert model_path == str(tmp_path / "not-staged-yet")
-    model_config = preflight.model_config_for(cfg, model_path)
+    model_config = model_source.model_config_for(cfg, model_path)
     assert model_config == catalog.lookup("llama-3.1-70b").config
     p = plan_for_config(cfg, model_config)
     assert p.best_layout() == Layout(tensor=4, replicas=2)  # as from the real config.json
@@ -173,7 +173,7 @@ def test_catalogue_checks_a_staged_checkpoint(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(checkpoint("llama-3.1-8b")))
     cfg = parse_config(deployment(str(tmp_path), catalog="llama-3.1-70b"))
     with pytest.raises(ConfigError, match="hidden_size 4096 \\(catalogue: 8192\\)"):
-        preflight.model_config_for(cfg, preflight.resolve_model_path(cfg))
+        model_source.model_config_for(cfg, model_source.resolve_model_path(cfg))
     with pytest.raises(ConfigError, match="does not match"):
         check_config_layout(cfg, checkpoint("llama-3.1-8b"), Layout(tensor=1, replicas=8))
 
@@ -181,13 +181,13 @@ def test_catalogue_checks_a_staged_checkpoint(tmp_path):
 def test_unknown_catalogue_name_is_reported_before_the_missing_folder(tmp_path):
     cfg = parse_config(deployment(str(tmp_path / "nowhere"), catalog="lama-3.1-70b"))
     with pytest.raises(ConfigError, match="did you mean llama-3.1-70b"):
-        preflight.resolve_model_path(cfg)
+        model_source.resolve_model_path(cfg)
 
 
 def test_without_catalogue_a_missing_folder_is_still_an_error(tmp_path):
     cfg = parse_config(deployment(str(tmp_path / "nowhere")))
     with pytest.raises(ConfigError, match="no such folder"):
-        preflight.resolve_model_path(cfg)
+        model_source.resolve_model_path(cfg)
     with pytest.raises(ConfigError, match="or name the model in 'model.catalog'"):
         plan_for_config(cfg, None)
 
@@ -196,4 +196,4 @@ def test_local_serving_needs_the_weights_here(tmp_path):
     cfg = parse_config({**deployment(str(tmp_path / "later"), catalog="llama-3.2-1b"),
                         "cluster": {"scheduler": "local"}})
     with pytest.raises(ConfigError, match="Stage the weights there first"):
-        preflight.check_weights_here(cfg, preflight.resolve_model_path(cfg))
+        model_source.check_weights_here(cfg, model_source.resolve_model_path(cfg))

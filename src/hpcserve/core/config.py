@@ -19,8 +19,15 @@ from pydantic import (
     model_validator,
 )
 
+from hpcserve.core.config_checks import (
+    checked_engine_args,
+    layout_problem,
+    looks_secret,
+    no_key_problem,
+    slots_per_node,
+)
+from hpcserve.core.config_errors import format_error, short
 from hpcserve.core.errors import ConfigError
-from hpcserve.core.net import is_loopback
 from hpcserve.core.statuses import Routing
 
 BUILTIN_TINY = "builtin:tiny-llama"
@@ -287,8 +294,8 @@ class DeploymentConfig(Strict):
     def executor_for(self, workers: int) -> str:
         """A replica of one worker needs no worker processes: vLLM's uni executor runs it in the engine
         core's own process (one process fewer to start: 17-22 s against 27-31 s to the first completion
-        for the tiny model on CPU, docs/testing.md; on CPU with VLLM_ENABLE_V1_MULTIPROCESSING=0, set by
-        deployment.replicas)."""
+        for the tiny model on CPU, docs/benchmarks/suite-runs.md; on CPU with
+        VLLM_ENABLE_V1_MULTIPROCESSING=0, set by engine.replicas)."""
         if self.engine.executor == "auto" and workers == 1:
             return "uni"
         return self.executor
@@ -301,72 +308,6 @@ class DeploymentConfig(Strict):
     def hands_over(self) -> bool:
         """Each job gets a successor before its time limit: behind an endpoint on Slurm, unless turned off."""
         return self.cluster.scheduler == "slurm" and self.serve.router and self.serve.handover
-
-
-# vLLM's parser takes --api_key for --api-key and any unique prefix of it (--api-k, --api-ke).
-API_KEY_OPTION = "--api-key"
-# Names of variables that hold secrets by convention (HF_TOKEN, WANDB_API_KEY, AWS_SECRET_ACCESS_KEY, ...);
-# names of files holding them (HF_TOKEN_PATH, ..._FILE) carry a path, not the secret.
-SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL")
-PATH_SUFFIXES = ("_PATH", "_FILE", "_DIR")
-
-
-def is_api_key_option(arg: str) -> bool:
-    """Whether vLLM would read this argument as --api-key. Pure."""
-    option = arg.split("=", 1)[0].replace("_", "-")
-    return len(option) >= len("--api-k") and API_KEY_OPTION.startswith(option)
-
-
-def checked_engine_args(args: list[str]) -> list[str]:
-    if any(is_api_key_option(a) for a in args):
-        raise ValueError("--api-key would show in process lists; hpcserve gives every engine the deployment's "
-                         "key itself (serve.api_key_env, or a generated one): remove it")
-    return args
-
-
-def looks_secret(name: str) -> bool:
-    """A variable name that by convention holds a secret (not a path to one). Pure.
-
-    Judged word by word (HF_TOKEN, WANDB_API_KEY, DB_PASSWORD, OPENAI_APIKEY), so that
-    TOKENIZERS_PARALLELISM or VLLM_MAX_TOKENS are not taken for secrets."""
-    upper = name.upper()
-    if upper.endswith(PATH_SUFFIXES):
-        return False
-    return any(part.endswith(word) for part in upper.split("_") for word in SECRET_WORDS)
-
-
-def no_key_problem(serve: ServeSpec, cluster: ClusterSpec) -> str | None:
-    """serve.insecure_no_api_key is for a machine of one's own only. Pure."""
-    if not serve.insecure_no_api_key:
-        return None
-    if serve.api_key_env:
-        return "serve.insecure_no_api_key and serve.api_key_env contradict each other: remove one"
-    if cluster.scheduler != "local" or not is_loopback(serve.host):
-        return ("serve.insecure_no_api_key leaves every engine open to anyone who reaches its port: it is only "
-                "allowed with cluster.scheduler 'local' and a loopback serve.host, on a machine of your own. "
-                "Remove it (hpcserve then generates a key)")
-    return None
-
-
-def slots_per_node(cluster: ClusterSpec) -> int:
-    """Engine workers one node can hold: one per GPU, or one per core on CPU nodes."""
-    return cluster.gpus_per_node or cluster.cpus_per_node
-
-
-def layout_problem(layout: Layout, cluster: ClusterSpec) -> str | None:
-    """Why this layout cannot run on this cluster, or None. Pure."""
-    slots = slots_per_node(cluster)
-    unit = "GPUs" if cluster.gpus_per_node else "CPUs"
-    needed = layout.workers_per_replica * layout.replicas
-    have = slots * cluster.nodes
-    if needed > have:
-        return (f"parallelism needs {needed} workers (tensor {layout.tensor} x pipeline {layout.pipeline} x "
-                f"replicas {layout.replicas}) but the cluster has {have} {unit} ({cluster.nodes} nodes x {slots}): "
-                "lower the parallelism or add nodes")
-    if layout.workers_per_replica > slots and layout.workers_per_replica % slots:
-        return (f"a replica spanning nodes needs tensor x pipeline ({layout.workers_per_replica}) to be a multiple "
-                f"of the {unit} per node ({slots})")
-    return None
 
 
 # ---------------------------------------------------------------- loading
@@ -399,75 +340,8 @@ def parse_config(raw: dict[str, Any], source: str = "config") -> DeploymentConfi
     try:
         return DeploymentConfig.model_validate(raw)
     except ValidationError as exc:
-        lines = [format_error(err, raw) for err in exc.errors(include_url=False)]
+        lines = [format_error(err, raw, DeploymentConfig) for err in exc.errors(include_url=False)]
         raise ConfigError(f"{source}: " + ("\n".join(lines) if len(lines) == 1 else "\n  - " + "\n  - ".join(lines))) from None
-
-
-def format_error(err: dict[str, Any], raw: dict[str, Any]) -> str:
-    """One line: field, bad value, what is wrong and how to fix it."""
-    loc = [str(p) for p in err["loc"] if not _is_union_tag(p)]
-    field = ".".join(_printable(part) for part in loc) or "(top level)"
-    if err["type"] == "extra_forbidden":
-        parent = _model_at(loc[:-1])
-        valid = ", ".join(parent.model_fields) if parent else "see the docs"
-        return f"unknown key '{field}'. Valid keys here: {valid}"
-    if err["type"] == "missing":
-        return f"'{field}' is required: add it (see examples/local.yaml)"
-    message = err["msg"].removeprefix("Value error, ")
-    if loc:
-        return f"'{field}' = {_short(redacted(loc, err.get('input')))}: {message}"
-    return message
-
-
-def redacted(loc: list[str], value: Any) -> Any:
-    """The value an error quotes, with what may be a secret masked (engine.env's values, an --api-key's
-    value): errors end up in terminals, CI logs and issue reports. Pure."""
-    if loc[-1:] == ["env"] and isinstance(value, dict):
-        return {name: "***" for name in value}
-    if loc[-1:] in (["args"], ["engine_args"]) and isinstance(value, list):
-        masked, hide_next = [], False
-        for arg in value:
-            text = str(arg)
-            masked.append("***" if hide_next else (text.split("=", 1)[0] + "=***" if "=" in text and
-                                                    is_api_key_option(text) else arg))
-            hide_next = is_api_key_option(text) and "=" not in text
-        return masked
-    return value
-
-
-def _is_union_tag(part: Any) -> bool:
-    return isinstance(part, str) and (part.startswith("literal[") or part in {"Layout", "function-after[_local_is_one_node(), ClusterSpec]"})
-
-
-def _model_at(loc: list[str]) -> type[BaseModel] | None:
-    """The schema model at this place of the file (list items: their element's model)."""
-    model: type[BaseModel] = DeploymentConfig
-    for part in loc:
-        if part.isdigit():  # an item of a list of models (replica_groups.0)
-            continue
-        field = model.model_fields.get(part)
-        if field is None:
-            return None
-        model = _model_in(field.annotation)
-        if model is None:
-            return None
-    return model
-
-
-def _model_in(annotation: Any) -> type[BaseModel] | None:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    return next((m for m in map(_model_in, getattr(annotation, "__args__", ())) if m is not None), None)
-
-
-def _printable(text: str) -> str:
-    """A key as an error can show it on one line (a control character in a key would break the line)."""
-    return text if text.isprintable() else repr(text)[1:-1]
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 # ---------------------------------------------------------------- comparing
@@ -482,4 +356,4 @@ def _differences(running: Any, given: Any, where: str) -> list[str]:
         keys = sorted(running.keys() | given.keys(), key=str)
         return [line for key in keys
                 for line in _differences(running.get(key), given.get(key), f"{where}.{key}" if where else key)]
-    return [] if running == given else [f"{where}: {_short(running)} running, {_short(given)} given"]
+    return [] if running == given else [f"{where}: {short(running)} running, {short(given)} given"]

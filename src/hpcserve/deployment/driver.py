@@ -27,18 +27,16 @@ import psutil
 from hpcserve.core.config import DeploymentConfig, load_config
 from hpcserve.core.errors import StageError, UnsafePathError
 from hpcserve.core.folders import private_dir
-from hpcserve.core.keys import read_api_key
 from hpcserve.core.paths import RunPaths
 from hpcserve.core.runstate import RunStateWriter
 from hpcserve.core.statuses import RunStatus, Stage
-from hpcserve.deployment.preflight import model_config_for, resolve_model_path
 from hpcserve.deployment.process import install_stop_handlers, process_main, run_to_end
-from hpcserve.deployment.replicas import ReplicaSet
 from hpcserve.deployment.runs import CHECK_ONLY_ENV
 from hpcserve.engine.client import READY_PROMPT
 from hpcserve.engine.load_format import choose, load_format_args
+from hpcserve.engine.replicas import ReplicaSet, engine_key
 from hpcserve.monitoring.sampler import start_samplers
-from hpcserve.planning.planner import layout_for
+from hpcserve.planning.model_source import model_and_layout
 from hpcserve.raycluster.cluster import ClusterPlan, RayCluster
 from hpcserve.raycluster.health import run_health_check
 from hpcserve.raycluster.launch import LocalLauncher, SrunLauncher
@@ -131,28 +129,19 @@ def check_health(cfg: DeploymentConfig, cluster, run_dir: Path, writer: RunState
 
 def start_engines(cfg: DeploymentConfig, parts: Deployment, run_dir: Path, writer: RunStateWriter) -> None:
     """Start every replica's engines, watched by the samplers; returns while they load."""
-    model_path = resolve_model_path(cfg)
-    layout = layout_for(cfg, model_config_for(cfg, model_path))
+    model_path, layout = model_and_layout(cfg)
+    master_port, gcs_address = parts.cluster.ports.engine_master, parts.cluster.gcs_address  # what they need of Ray
     loader = choose(cfg.engine.load_format, cfg.engine.args, cfg.on_gpu)
     writer.begin("engine", f"{layout.replicas} replica(s) of tensor {layout.tensor} x pipeline {layout.pipeline}; "
                  f"weights: {loader.reason}")
     api_key = engine_key(cfg, run_dir)
-    replicas = ReplicaSet(cfg, layout, model_path, run_dir, api_key, parts.cluster.ports.engine_master,
-                          parts.cluster.gcs_address, load_format_args(loader))
+    replicas = ReplicaSet(cfg, layout, model_path, run_dir, api_key, master_port, gcs_address,
+                          load_format_args(loader))
     parts.replicas = replicas  # torn down even if it fails half-way
     replicas.start()
     for proc in replicas.processes():
         parts.samplers[proc.hostname].watch.remote([proc.pid])
-    writer.update(replicas=replica_rows(replicas, cfg, healthy=False))
-
-
-def engine_key(cfg: DeploymentConfig, run_dir: Path) -> str | None:
-    """The key every engine requires: the run folder's copy, written before this driver started."""
-    key = read_api_key(run_dir)
-    if key is None and not cfg.serve.insecure_no_api_key:
-        raise StageError("engine", f"no API key in {RunPaths(run_dir).api_key}: `hpcserve up` writes it there "
-                         "before the driver starts, and engines never run without one", str(run_dir))
-    return key
+    writer.update(replicas=replicas.rows(healthy=False))
 
 
 def wait_engines_ready(cfg: DeploymentConfig, replicas, writer: RunStateWriter) -> None:
@@ -160,12 +149,7 @@ def wait_engines_ready(cfg: DeploymentConfig, replicas, writer: RunStateWriter) 
     writer.update(stage="engine")
     answers = replicas.wait_ready(cfg.engine.startup_timeout_s)
     writer.done("engine")
-    writer.update(replicas=replica_rows(replicas, cfg, healthy=True),
-                    ready_check={"prompt": READY_PROMPT, "answers": answers})
-
-
-def replica_rows(replicas, cfg: DeploymentConfig, healthy: bool) -> list[dict]:
-    return [{**r.to_dict(), "model": cfg.model.name, "healthy": healthy} for r in replicas.replicas]
+    writer.update(replicas=replicas.rows(healthy=True), ready_check={"prompt": READY_PROMPT, "answers": answers})
 
 
 def watch(replicas) -> None:

@@ -1,80 +1,57 @@
-"""Checks before anything starts: a bad model path, a busy port, a layout the model cannot take or a
-walltime too short for the walltime handover is reported as a ConfigError (exit code 2) with nothing
-started."""
+"""Checks before anything starts: a deployment of the same name running, a bad model path, a busy port, a
+layout the model cannot take or a walltime too short for the walltime handover is reported as a
+ConfigError or UsageError (exit code 2) with nothing started.
+
+    prepare(cfg, source)   every check `up` runs before it starts anything, in order; returns what it
+                           found (the model and the configured layout)
+"""
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
-from hpcserve.core.config import BUILTIN_TINY, DeploymentConfig, Layout
-from hpcserve.core.errors import ConfigError
+from hpcserve.core.config import DeploymentConfig, Layout
+from hpcserve.core.errors import ConfigError, UsageError
 from hpcserve.core.folders import check_not_shared
 from hpcserve.core.net import is_loopback, port_free
-from hpcserve.core.registry import check_home
-from hpcserve.models.tiny import tiny_model_path
-from hpcserve.planning.catalog import lookup, resolve_config
-from hpcserve.planning.planner import layout_for
+from hpcserve.core.registry import check_home, list_names, load_record
+from hpcserve.deployment.runs import is_running
+from hpcserve.planning.model_source import check_weights_here, model_config_for, resolve_model_path, weight_bytes
+from hpcserve.planning.planner import check_config_layout
 from hpcserve.planning.walltime import WalltimeCheck, startup_before_measurement
 from hpcserve.slurm.parse import WillRun, slurm_epoch, time_limit_seconds
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+@dataclass(frozen=True)
+class Prepared:
+    """What the checks found: the folder (or hub id) vLLM loads and the configured layout (None with
+    `parallelism: auto`: planned where the replicas are launched)."""
+
+    model_path: str
+    layout: Layout | None
 
 
-def looks_like_path(spec: str) -> bool:
-    return spec.startswith(("/", ".", "~")) or os.path.exists(spec)
-
-
-def resolve_model_path(cfg: DeploymentConfig) -> str:
-    """The folder (or hub id) vLLM loads. The builtin tiny model is built here on first use. With
-    model.catalog the folder may be missing here or lack config.json (weights staged later, or only on the
-    compute nodes): the catalogue gives the planner the shape, so only a well-formed path is required."""
-    spec = cfg.model.path
-    if spec == BUILTIN_TINY:
-
-        return str(tiny_model_path())
-    if spec.startswith("builtin:"):
-        raise ConfigError(f"'model.path' = {spec!r}: unknown builtin model; the only one is {BUILTIN_TINY}")
-    if looks_like_path(spec):
-        path = Path(spec).expanduser()
-        if cfg.model.catalog and not (path / "config.json").is_file():
-
-            lookup(cfg.model.catalog)  # an unknown name is the error to report, not the missing folder
-            return str(path.absolute())
-        if not path.is_dir():
-            raise ConfigError(f"'model.path' = {spec!r}: no such folder. Point it at a local model folder "
-                              f"(with config.json), a hub id like org/name, or {BUILTIN_TINY}")
-        if not (path / "config.json").is_file():
-            raise ConfigError(f"'model.path' = {spec!r}: the folder has no config.json; is it a Hugging Face model folder?")
-        return str(path.resolve())
-    return spec  # a hub id: vLLM resolves it on the cluster
-
-
-def read_model_config(model_path: str) -> dict | None:
-    path = Path(model_path) / "config.json"
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: not valid JSON ({exc}); the model folder is damaged") from None
-
-
-def model_config_for(cfg: DeploymentConfig, model_path: str) -> dict | None:
-    """The config.json the planner reads for this deployment: the checkpoint's (checked against model.catalog
-    when both exist: one ConfigError listing what differs), else the catalogue's, else None."""
-    return resolve_config(cfg.model.catalog, read_model_config(model_path), cfg.model.quantization)
-
-
-def check_weights_here(cfg: DeploymentConfig, model_path: str) -> None:
-    """With cluster.scheduler 'local' vLLM loads model.path on this machine: a catalogue name plans without
-    the weights, but serving needs them."""
-    if cfg.cluster.scheduler == "local" and looks_like_path(model_path) and not (Path(model_path) / "config.json").is_file():
-        raise ConfigError(f"'model.path' = {cfg.model.path!r}: no model folder with config.json here, and "
-                          "cluster.scheduler 'local' serves from this machine. Stage the weights there first "
-                          "(model.catalog lets `hpcserve plan` run without them)")
+def prepare(cfg: DeploymentConfig, source: str) -> Prepared:
+    """Every check before `up` starts anything; source: where the config came from, for messages."""
+    if cfg.name in list_names() and is_running(load_record(cfg.name)):
+        raise UsageError(f"a deployment named '{cfg.name}' is already running: `hpcserve down {cfg.name}` "
+                         "first, or change 'name' in the config")
+    check_scheduler(cfg)
+    check_folders(cfg)  # nobody else can plant files where the run's processes read them
+    model_path = resolve_model_path(cfg)
+    check_weights_here(cfg, model_path)  # local scheduler: the weights must be here to serve
+    model_config = model_config_for(cfg, model_path)
+    layout = cfg.parallelism if isinstance(cfg.parallelism, Layout) else None
+    if layout and model_config:
+        problems = check_config_layout(cfg, model_config, layout)
+        if problems:
+            raise ConfigError(f"{source}: parallelism {layout.tensor}x{layout.pipeline}x{layout.replicas} "
+                              f"(tensor x pipeline x replicas) cannot serve this model: {'; '.join(problems)}. "
+                              "Run `hpcserve plan CONFIG` for a layout that fits")
+    check_port(cfg, (layout.replicas if layout else 1) + (1 if cfg.serve.router else 0))
+    return Prepared(model_path, layout)
 
 
 RESULTS_FIX = ("Set results_dir to a folder only you can write (under your home, or $SCRATCH/$USER), or remove "
@@ -101,20 +78,6 @@ def check_scheduler(cfg: DeploymentConfig) -> None:
     if cfg.cluster.scheduler == "slurm" and not shutil.which("sbatch"):
         raise ConfigError("'cluster.scheduler' = 'slurm' but sbatch is not on PATH: run on a login node, "
                           "load the Slurm module, or use `hpcserve sandbox up` to try a local Slurm cluster")
-
-
-
-def resolved_layout(cfg: DeploymentConfig) -> Layout:
-    """The layout this deployment runs: configured, or planned for the model (`parallelism: auto`)."""
-    return layout_for(cfg, model_config_for(cfg, resolve_model_path(cfg)))
-
-
-def weight_bytes(model_path: str | None) -> int | None:
-    """The size of the weights in a local model folder (None for a hub id or a folder without them)."""
-    if not model_path or not Path(model_path).is_dir():
-        return None
-    total = sum(f.stat().st_size for f in Path(model_path).iterdir() if f.suffix in WEIGHT_SUFFIXES and f.is_file())
-    return total or None
 
 
 def walltime_check(cfg: DeploymentConfig, model_path: str, will_run: WillRun | None, now: float,

@@ -5,6 +5,7 @@
 
     launch(cfg, results, key)   start a driver (here or as a job); returns the Record that finds it again
     run_of(record)         the LocalRun or SlurmRun a registered record names
+    is_running(record)     whether its process or job still runs
     expected_start(cfg)    when Slurm would start its job if submitted now (nothing is queued)
     Runs                   both for many deployments at once (an endpoint's members): their jobs
                            followed with one squeue call per interval (slurm.watcher.JobWatcher)
@@ -63,6 +64,11 @@ def launch(cfg: DeploymentConfig, results: Path, key: ApiKey, extra_env: dict[st
 
 def run_of(record: Record, jobs: JobWatcher | None = None) -> LocalRun | SlurmRun:
     return SlurmRun(record, jobs) if record.job_id else LocalRun(record)
+
+
+def is_running(record: Record) -> bool:
+    """Its process or job still runs (an endpoint's: its controller)."""
+    return run_of(record).gone() is None
 
 
 class Run(Protocol):

@@ -22,7 +22,7 @@ import yaml
 from hpcserve.core.config import BUILTIN_TINY, DeploymentConfig, Layout
 from hpcserve.core.errors import HpcserveError, UnsafePathError
 from hpcserve.core.folders import others_can_write, private_dir
-from hpcserve.deployment.preflight import RESULTS_FIX, resolve_model_path, weight_bytes
+from hpcserve.deployment.preflight import RESULTS_FIX
 from hpcserve.doctor.checks import (
     SINFO_FORMAT,
     Captured,
@@ -35,6 +35,7 @@ from hpcserve.doctor.checks import (
 )
 from hpcserve.doctor.findings import Finding, blocker, info, ok, warning
 from hpcserve.doctor.probe import IMMEDIATE_S, check_probe, probe_argv
+from hpcserve.planning.model_source import resolve_model_path, weight_bytes
 from hpcserve.site.profiles import SiteProfile, profile_for
 from hpcserve.slurm.render import render_batch_script
 

@@ -7,6 +7,7 @@ at most once a minute), the startups of the members that joined last, each job's
 successor starts, its job as Slurm reports it (its expected start while it waits, its start once it
 runs). Every decision records the true figures: the time the old job had left, the lead planned and
 what it was made of, and when the successor serves, how long its queue and startup really took.
+Before anything starts, `up` judges the walltime by the same figures (handover_room).
 """
 
 from __future__ import annotations
@@ -33,8 +34,10 @@ from hpcserve.endpoint.decisions import (
     projected_join,
     queue_estimate,
 )
+from hpcserve.deployment.preflight import walltime_check
+from hpcserve.deployment.runs import expected_start
 from hpcserve.endpoint.healing import MAX_FAILED_LAUNCHES
-from hpcserve.endpoint.members import Member
+from hpcserve.endpoint.members import Member, member_config, single_replica
 from hpcserve.endpoint.policy import ControlPlane
 from hpcserve.planning.walltime import LOAD_BASE_S, WalltimeCheck
 from hpcserve.slurm.parse import slurm_epoch, time_limit_seconds
@@ -304,3 +307,15 @@ def last_run_startup(results: Path, name: str) -> Estimate | None:
             return Estimate(found.seconds, f"{found.basis}, in the last run {run_dir.name}")
     return None
 
+
+def handover_room(cfg: DeploymentConfig, model_path: str, layout: Layout | None) -> WalltimeCheck | None:
+    """What the walltime leaves to serve behind an endpoint on Slurm, for `up` to judge before it starts
+    anything: Slurm's queue estimate for one member now (sbatch --test-only, nothing queued) and the
+    startup measured in this deployment's last run, else estimated (deployment.preflight.walltime_check)."""
+    if not cfg.hands_over or time_limit_seconds(cfg.cluster.time) is None:
+        return None
+    results = Path(cfg.results_dir).resolve()
+    member = member_config(cfg, f"{cfg.name}-m0", 0, single_replica(layout or Layout()), results)
+    measured = last_run_startup(results, cfg.name)
+    return walltime_check(cfg, model_path, expected_start(member, results), time.time(),
+                          (measured.seconds, measured.basis) if measured else None)

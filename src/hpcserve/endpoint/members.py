@@ -13,11 +13,12 @@ import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from hpcserve.core.config import DeploymentConfig, Layout, slots_per_node
+from hpcserve.core.config import DeploymentConfig, Layout
+from hpcserve.core.config_checks import slots_per_node
 from hpcserve.core.registry import Record
 from hpcserve.core.runstate import RunState, read_timeline
 from hpcserve.core.statuses import MemberRole, MemberStatus
-from hpcserve.deployment.replicas import replica_shapes
+from hpcserve.engine.replicas import replica_shapes
 from hpcserve.engine.capacity import max_num_seqs
 
 # Replica ports of member slot k: serve.port + 1 + k * PORTS_PER_MEMBER + replica index. A slot is

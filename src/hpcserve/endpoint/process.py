@@ -29,17 +29,16 @@ from hpcserve.core.keys import read_api_key
 from hpcserve.core.paths import RunPaths
 from hpcserve.core.runstate import RunState
 from hpcserve.core.statuses import MemberRole, MemberStatus, RunStatus, Stage
-from hpcserve.deployment.preflight import resolve_model_path, resolved_layout
 from hpcserve.deployment.process import install_stop_handlers, process_main, run_to_end
-from hpcserve.deployment.runs import run_of
-from hpcserve.endpoint.adopt import adopt
 from hpcserve.deployment.runs import Launcher
+from hpcserve.endpoint.adopt import adopt
 from hpcserve.endpoint.controller import MEMBER_STOP_TIMEOUT_S, TICK_S, Controller
 from hpcserve.endpoint.members import Member, group_layouts
 from hpcserve.endpoint.router import Router, default_workers
 from hpcserve.engine.args import routes_by_cache
 from hpcserve.engine.client import READY_PROMPT, completion_probe
 from hpcserve.engine.kv_events import flag_value
+from hpcserve.planning.model_source import resolve_model_path, resolved_layout
 
 
 def serve(ctl: Controller) -> None:

@@ -1,12 +1,16 @@
 """Starting, adopting, checking and stopping an endpoint from outside (what `up`, `adopt`, `status` and
 `down` call). Its controller is a detached process here; the router and the members' jobs outlive it.
 
-    start_endpoint(cfg, results)   a new run folder and its controller
+    start_endpoint(cfg, prepared, results, key)
+                                   the walltime handover's room checked, then a new run folder and its
+                                   controller
     adopt_endpoint(record)         a new controller in the same run folder: it adopts what still runs
     inspect_endpoint(record)       the controller, the router and every member, each checked now (not
                                    what the controller last wrote: it may be gone)
     stop_endpoint(record)          the controller stops the rest itself; what it left (it was killed)
                                    is stopped from here, by the PIDs and jobs its state recorded
+    stop_deployment(record)        any deployment, an endpoint or a driver alone: stopped, its secrets and
+                                   its nodes' temporary folders removed
 """
 
 from __future__ import annotations
@@ -17,22 +21,28 @@ from pathlib import Path
 import httpx
 
 from hpcserve.core.config import DeploymentConfig
-from hpcserve.core.keys import ApiKey
+from hpcserve.core.keys import ApiKey, remove_secrets
 from hpcserve.core.paths import RunPaths
 from hpcserve.core.registry import Record
 from hpcserve.core.runstate import RunState
 from hpcserve.core.statuses import MemberStatus, RunKind
+from hpcserve.deployment.preflight import Prepared, check_walltime
 from hpcserve.deployment.runs import LocalRun, run_of
+from hpcserve.endpoint.handover import handover_room
 from hpcserve.endpoint.members import Member
 from hpcserve.endpoint.router import is_router, router_serving, stop_router
 from hpcserve.engine.client import health_ok
+from hpcserve.raycluster.nodefiles import remove_run_node_folders
 
 CONTROLLER_MODULE = "hpcserve.endpoint.process"
 # Members whose job may still hold a replica (a stopping one's job may not have ended yet).
 CHECKED = (MemberStatus.LAUNCHING, MemberStatus.SERVING, MemberStatus.DRAINING, MemberStatus.STOPPING)
 
 
-def start_endpoint(cfg: DeploymentConfig, results: Path, key: ApiKey) -> Record:
+def start_endpoint(cfg: DeploymentConfig, prepared: Prepared, results: Path, key: ApiKey, source: str) -> Record:
+    """Refuse a walltime too short for the handover (ConfigError, nothing started), then start the
+    controller. source: where the config came from, for that message."""
+    check_walltime(handover_room(cfg, prepared.model_path, prepared.layout), source)
     return LocalRun.start(cfg, results, CONTROLLER_MODULE, RunKind.ENDPOINT, key, {}).record
 
 
@@ -108,3 +118,15 @@ def remove_admin_socket(paths: RunPaths) -> None:
     socket = paths.router_admin
     if paths.root not in socket.parents and socket.is_socket():
         socket.unlink(missing_ok=True)
+
+
+def stop_deployment(record: Record, timeout_s: float = 90.0) -> list[int]:
+    """Stop a deployment (an endpoint with its members, or a driver alone); returns PIDs still alive
+    afterwards (on this machine), which should be none."""
+    try:
+        if record.kind is RunKind.ENDPOINT:
+            return stop_endpoint(record, timeout_s)
+        return run_of(record).stop(timeout_s)
+    finally:
+        remove_secrets(record.run_dir)  # a stopped deployment keeps no copy of its key or Ray's token
+        remove_run_node_folders(record.run_dir)  # what its nodes left in /tmp, killed members' too

@@ -124,7 +124,7 @@ def _quietly(action) -> None:
 
 
 class EngineHost:
-    """Use through ray.remote(EngineHost).options(...) — see deployment/replicas.py."""
+    """Use through ray.remote(EngineHost).options(...) — see engine/replicas.py."""
 
     def __init__(self) -> None:
         self.proc: subprocess.Popen | None = None

@@ -182,7 +182,7 @@ def catalog_notes(cfg: DeploymentConfig, model_config: dict[str, Any] | None) ->
     if not name:
         return []
     entry = lookup(name)
-    from_catalogue = model_config is None or model_config == entry.config  # preflight.model_config_for filled it in
+    from_catalogue = model_config is None or model_config == entry.config  # model_source.model_config_for filled it in
     source = "the catalogue (no config.json in model.path here)" if from_catalogue else \
         "the config.json in model.path (it matches)"
     weights = f", {entry.quantization} weights" if entry.quantization else ""

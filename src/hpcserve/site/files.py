@@ -7,7 +7,8 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
-from hpcserve.core.config import DeploymentConfig, SiteSpec, format_error, load_config
+from hpcserve.core.config import DeploymentConfig, SiteSpec, load_config
+from hpcserve.core.config_errors import format_error
 from hpcserve.core.errors import ConfigError
 
 
@@ -29,7 +30,7 @@ def load_site_file(path: str | Path) -> SiteSpec:
         return SiteSpec.model_validate(raw)
     except ValidationError as exc:
 
-        lines = [format_error({**e, "loc": ("site", *e["loc"])}, {"site": raw}) for e in exc.errors(include_url=False)]
+        lines = [format_error({**e, "loc": ("site", *e["loc"])}, {"site": raw}, DeploymentConfig) for e in exc.errors(include_url=False)]
         raise ConfigError(f"{path}: " + "; ".join(lines)) from None
 
 

@@ -18,11 +18,12 @@ from hpcserve import api
 from hpcserve.benchmark.bench import BenchOptions, run_benchmark
 from hpcserve.benchmark.loadgen import LoadShape
 from hpcserve.benchmark.workload import LengthRange
-from hpcserve.core.config import DeploymentConfig, Layout, load_config, slots_per_node
+from hpcserve.core.config import DeploymentConfig, Layout, load_config
+from hpcserve.core.config_checks import slots_per_node
 from hpcserve.core.runstate import read_timeline
 from hpcserve.core.timeline import stage_durations
-from hpcserve.deployment.preflight import model_config_for, resolve_model_path
 from hpcserve.monitoring.sampler import read_samples
+from hpcserve.planning.model_source import model_config_for, resolve_model_path
 
 
 @dataclass

@@ -14,8 +14,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hpcserve.core.config import DeploymentConfig, Layout, slots_per_node
+from hpcserve.core.config import DeploymentConfig, Layout
+from hpcserve.core.config_checks import slots_per_node
 from hpcserve.core.errors import StageError
+from hpcserve.core.keys import read_api_key
+from hpcserve.core.paths import RunPaths
 from hpcserve.engine.args import EngineRole, cpu_thread_binding, engine_argv
 from hpcserve.engine.client import completion_probe, health_ok
 from hpcserve.engine.compile_cache import (
@@ -27,6 +30,15 @@ from hpcserve.engine.compile_cache import (
 )
 from hpcserve.engine.host import EngineHost
 from hpcserve.engine.logs import engine_error
+
+
+def engine_key(cfg: DeploymentConfig, run_dir: Path) -> str | None:
+    """The key every engine requires: the run folder's copy, written before the driver started."""
+    key = read_api_key(run_dir)
+    if key is None and not cfg.serve.insecure_no_api_key:
+        raise StageError("engine", f"no API key in {RunPaths(run_dir).api_key}: `hpcserve up` writes it there "
+                         "before the driver starts, and engines never run without one", str(run_dir))
+    return key
 
 
 @dataclass(frozen=True)
@@ -160,7 +172,7 @@ class ReplicaSet:
         if executor == "uni" and not self.cfg.on_gpu:
             # vLLM on CPU turns uni into mp (a worker process of its own: one more import of torch and
             # vLLM in every start) unless V1 multiprocessing is off; the API server still runs the engine
-            # core in a process of its own (docs/testing.md: the start it saves).
+            # core in a process of its own (docs/benchmarks/suite-runs.md: the start it saves).
             env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if not self.cfg.on_gpu and "VLLM_CPU_OMP_THREADS_BIND" not in env:
             binding = cpu_thread_binding(shape.workers_per_node, sorted(os.sched_getaffinity(0)))
@@ -191,6 +203,10 @@ class ReplicaSet:
 
     def processes(self) -> list[EngineProcess]:
         return [p for r in self.replicas for p in r.processes]
+
+    def rows(self, healthy: bool) -> list[dict]:
+        """The replicas as state.json lists them, with the served model's name."""
+        return [{**r.to_dict(), "model": self.cfg.model.name, "healthy": healthy} for r in self.replicas]
 
     def dead_processes(self) -> list[tuple[EngineProcess, int]]:
         import ray

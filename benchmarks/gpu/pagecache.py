@@ -1,12 +1,12 @@
-"""Issue 20: the page cache of model files (cold reads without rebooting). No tools needed, only libc.
+"""The page cache of model files (cold reads without rebooting). No tools needed, only libc.
 
-usage: i20_pagecache.py resident PATH...   fraction of the files' pages in the page cache (mincore)
-       i20_pagecache.py evict PATH...      fsync, then posix_fadvise(DONTNEED) on every file: drops the
+usage: pagecache.py resident PATH...   fraction of the files' pages in the page cache (mincore)
+       pagecache.py evict PATH...      fsync, then posix_fadvise(DONTNEED) on every file: drops the
                                            files' clean pages (what `vmtouch -e` does); prints before/after
-       i20_pagecache.py dropcaches PATH... `sync; echo 3 > /proc/sys/vm/drop_caches` (root): says whether
+       pagecache.py dropcaches PATH... `sync; echo 3 > /proc/sys/vm/drop_caches` (root): says whether
                                            the write worked and what stayed resident (whole-machine drop:
                                            also vLLM's own Python files, so not used between timed runs)
-       i20_pagecache.py readbw PATH...     read the files once, sequentially (16 MiB blocks): GB/s, i.e.
+       pagecache.py readbw PATH...     read the files once, sequentially (16 MiB blocks): GB/s, i.e.
                                            what a cold read costs here (evict first)
 PATH may be a folder: its *.safetensors files. Every command prints one JSON line.
 Caveat: the device is a Firecracker VM; its disk is a file on the host, and the host's own page cache may

@@ -1,9 +1,10 @@
 #!/bin/bash
-# Issue 20 on the H200 device machine (after ../shared/gpu's install calls): weight loading, compile-cache
-# warm start, cache-aware routing, `hpcserve baseline`. One phase per device call; the sequences of calls that
-# ran are in docs/benchmarks/gpu.md (2026-12-02 sections).
+# How fast vLLM starts on the H200 device machine (after ../shared/gpu's install calls): weight loading and
+# loaders, the compile cache's warm start; also the first routing comparison (vllm-router's policies and
+# hpcserve's data plane) and `hpcserve baseline`. One phase per device call (settings and helpers:
+# device_lib.sh); the sequences of calls that ran are in docs/benchmarks/gpu.md (2026-12-02 sections).
 # State that must outlive a call (model folder, compile cache, results so far) stays on the machine
-# (under /tmp/i20 and the disk folder named in /tmp/i20/base) while it is warm, i.e. while calls follow
+# (under /tmp/gpubench and the disk folder named in /tmp/gpubench/base) while it is warm, i.e. while calls follow
 # each other within 30 s. Each phase returns at most 4 files under $OUT: summary.txt (its log lines and
 # the tables so far), results.jsonl (every result of every phase so far), raw_PHASE.tar.gz (server,
 # router and client logs of this phase), and nothing deeper.
@@ -12,7 +13,7 @@
 #                             disk-backed folder; page-cache checks (drop_caches, posix_fadvise, read GB/s)
 #   model                     the model folder without weights (config + tokenizer: enough for dummy weights)
 #   pyc                       byte-compile the vllm package (so a cold start measures torch.compile only)
-#   micro [--budget S]        vLLM 0.26's weight iterators alone, cold page cache (i20_loaders.py)
+#   micro [--budget S]        vLLM 0.26's weight iterators alone, cold page cache (weight_loaders.py)
 #   ready CASE... [--budget S]
 #                             time to ready (first completion) of plain `vllm serve`, one server at a time:
 #                             compile:cold   --load-format dummy, empty VLLM_CACHE_ROOT (+ Triton/Inductor dirs)
@@ -29,148 +30,17 @@
 #                             | hps:prefix | hps:least_loaded | hps:round_robin (hpcserve's own data plane,
 #                             hpcserve.endpoint.dataplane from src/, instead of vllm-router on port 8000)
 #                             WORKLOAD@R (pre, cal, rnd, vb; e.g. pre@16:hps:prefix): open loop, Poisson arrivals
-#                             at R requests/s (the client's --request-rate; no in-flight cap: I20_OPEN_CAP,
+#                             at R requests/s (the client's --request-rate; no in-flight cap: BENCH_OPEN_CAP,
 #                             default 4096) instead of the closed loop at the workload's concurrency
-#   baseline [--budget S]     `hpcserve baseline` (issue 20 part 4) of a one-node TP=1 deployment of the model
-#                             folder (dummy weights), hpcserve installed --no-deps from $I20_SNAP (a copy of the
+#   baseline [--budget S]     `hpcserve baseline` of a one-node TP=1 deployment of the model
+#                             folder (dummy weights), hpcserve installed --no-deps from $BENCH_SNAP (a copy of the
 #                             committed pyproject.toml + src); its folder (baseline.md, JSON, plots) under $OUT
 # A step is skipped (and says so) when it might not end within the budget (seconds since the phase began).
-# I20_SRC: the src folder the data plane (hps:*) runs from (default: this checkout's src; use a snapshot of
+# BENCH_SRC: the src folder the data plane (hps:*) runs from (default: this checkout's src; use a snapshot of
 # the committed tree when others edit the checkout). The prompts of pre/cal/rnd use the words w3..w9999
 # (--vocab 10000, 6 characters a token): vLLM 0.26 refuses, before tokenizing, a prompt of more than
 # 7 x (max-model-len - max_tokens) characters, and the full vocabulary's ~7.1 characters a token crossed it.
-set -uo pipefail
-T_START=$(date +%s)
-HERE=$(cd "$(dirname "$0")" && pwd)
-PY=python3
-export PATH="$($PY -c 'import sys,os;print(os.path.dirname(sys.executable))'):$PATH"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_ALLREDUCE_USE_SYMM_MEM=0
-export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 RAY_USAGE_STATS_ENABLED=0
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-
-PHASE=${1:?phase}; shift
-BUDGET=540; ARGS=()
-while [ $# -gt 0 ]; do case $1 in --budget) BUDGET=$2; shift 2;; *) ARGS+=("$1"); shift;; esac; done
-I20=${I20:-/tmp/i20}; mkdir -p "$I20"
-OUT=${OUT:-$I20/out}; mkdir -p "$OUT"
-RAW=$I20/raw/$PHASE-$(date +%H%M%S); mkdir -p "$RAW"
-RES=$I20/results.jsonl; touch "$RES"
-SUM=$OUT/summary.txt
-# What every `vllm serve` here shares (the issue's flags); I20_COMMON overrides it for a CPU dry run.
-COMMON=${I20_COMMON:---served-model-name m --host 127.0.0.1 --dtype bfloat16 --max-model-len 2048 --disable-custom-all-reduce}
-KV_BYTES=${I20_KV_BYTES:-38654705664}   # 36 GiB of KV cache per routing replica (~ --gpu-memory-utilization 0.42)
-REPLICA_MEM=${I20_REPLICA_MEM:---gpu-memory-utilization 0.42 --kv-cache-memory-bytes $KV_BYTES}
-VLLM=${I20_VLLM:-vllm}   # a dry run may put a stand-in server here
-# Dry-run knobs (CPU): I20_MODEL_ARGS (i20_model.py sizes), I20_PRE_ARGS / I20_MT_ARGS / I20_CAL_ARGS (client).
-STARTED=()
-
-log() { echo "[+$(( $(date +%s) - T_START ))s] $*" | tee -a "$SUM"; }
-now() { date +%s.%N; }
-since() { $PY -c "print(round($(now)-$1,1))"; }
-left() { echo $(( BUDGET - ($(date +%s) - T_START) )); }
-rec() { $PY "$HERE/i20_util.py" record "$RES" "$@"; }
-
-pick_base() { # the disk-backed folder with the most room (tmpfs only if no disk has 18 GB free)
-  if [ -s "$I20/base" ]; then cat "$I20/base"; return; fi
-  local d t avail best="" best_avail=0 any="" any_avail=0
-  for d in /tmp /var/tmp /root /opt /home /dev/shm; do
-    [ -d "$d" ] && [ -w "$d" ] || continue
-    t=$(stat -f -c %T "$d" 2>/dev/null); avail=$(df -P -B1G "$d" 2>/dev/null | awk 'NR==2{print $4}')
-    [ "${avail:-0}" -gt $any_avail ] && { any=$d; any_avail=$avail; }
-    case $t in tmpfs|ramfs) continue;; esac
-    [ "${avail:-0}" -gt $best_avail ] && { best=$d; best_avail=$avail; }
-  done
-  [ $best_avail -ge 18 ] || best=${any:-/tmp}
-  echo "${best:-/tmp}/i20data" | tee "$I20/base"
-}
-BASE=$(pick_base); mkdir -p "$BASE"
-MODEL=$BASE/llama8b
-VC=$BASE/vcache
-
-tree_pids() { echo "$1 $($PY "$HERE/i20_util.py" tree "$1" 2>/dev/null)"; }
-stop_tree() { # PID: SIGTERM to it and its descendants (by id), SIGKILL after 20 s
-  local pids p alive i
-  pids=$(tree_pids "$1")
-  kill -TERM $pids 2>/dev/null
-  for i in $(seq 40); do
-    alive=0; for p in $pids; do kill -0 "$p" 2>/dev/null && alive=1; done
-    [ $alive = 0 ] && break; sleep 0.5
-  done
-  kill -KILL $pids 2>/dev/null; wait "$1" 2>/dev/null
-}
-gpu_free() { # until the GPU is nearly empty again
-  command -v nvidia-smi >/dev/null || return 0
-  local i used
-  for i in $(seq 120); do
-    used=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1)
-    [ "${used:-0}" -lt 1500 ] && return 0; sleep 0.5
-  done; log "warning: GPU memory still in use (${used} MiB)"
-}
-wait_ready() { # URL PID DEADLINE_S: until a completion answers. rc 0 ready, 1 process died, 2 deadline
-  local end=$(( $(date +%s) + $3 ))
-  while [ "$(date +%s)" -lt $end ]; do
-    curl -sf -m 10 "$1/v1/completions" -H 'Content-Type: application/json' \
-      -d '{"model":"m","prompt":"w11 w12 w13 w14","max_tokens":4}' >/dev/null && return 0
-    kill -0 "$2" 2>/dev/null || return 1
-    sleep 0.5
-  done; return 2
-}
-fail_tail() { # LOG: last lines of a failed server's log into the summary
-  log "---- tail of $1"; tail -n 25 "$1" | cut -c1-300 | tee -a "$SUM"
-}
-cleanup() {
-  local p
-  for p in "${STARTED[@]}"; do kill -0 "$p" 2>/dev/null && stop_tree "$p"; done
-  rm -f "$I20"/pid.*
-  tar czf "$OUT/raw_$PHASE.tar.gz" -C "$RAW" . 2>/dev/null
-  cp "$RES" "$OUT/results.jsonl" 2>/dev/null
-  { echo "==== results so far"; $PY "$HERE/i20_util.py" table "$RES"; } 2>&1 | tee -a "$SUM"
-  log "phase $PHASE done"
-  [ "$PHASE" = gen ] && touch "$I20/gen.done"
-}
-trap cleanup EXIT
-
-ensure_cudart() { # fastsafetensors dlopens the unversioned "libcudart.so"; torch's wheels ship only .so.13
-  if $PY -c "import ctypes; ctypes.CDLL('libcudart.so')" 2>/dev/null; then log "libcudart.so: found"; return; fi
-  local f
-  f=$($PY - <<'PY'
-import glob, os, sys
-c = []
-for d in sys.path + ["/usr/local/cuda/lib64", "/usr/local/cuda/targets/x86_64-linux/lib"]:
-    if os.path.isdir(d):
-        c += glob.glob(os.path.join(d, "nvidia", "**", "libcudart.so*"), recursive=True)
-        c += glob.glob(os.path.join(d, "libcudart.so*"))
-c = sorted(set(c), key=lambda p: (".so.13" not in p, p))
-print(c[0] if c else "")
-PY
-)
-  if [ -z "$f" ]; then log "libcudart.so: none found (fastsafetensors will fail)"; return; fi
-  mkdir -p "$I20/cudart"; ln -sf "$f" "$I20/cudart/libcudart.so"
-  export LD_LIBRARY_PATH=$I20/cudart${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-  log "libcudart.so -> $f (LD_LIBRARY_PATH)"
-}
-
-leftovers() { # a server a killed call left behind would hold the GPU: report it (its id), stop it
-  local f p
-  for f in "$I20"/pid.*; do
-    [ -e "$f" ] || continue; p=$(cat "$f")
-    if kill -0 "$p" 2>/dev/null && tr '\0' ' ' < "/proc/$p/cmdline" 2>/dev/null | grep -q vllm; then
-      log "stopping leftover pid $p ($f)"; stop_tree "$p"
-    fi
-    rm -f "$f"
-  done
-}
-start_bg() { # NAME LOG CMD...: a background child (no new session: the device ends it with the call)
-  local name=$1 logf=$2; shift 2
-  if [ -n "${I20_KEEP:-}" ]; then # a session of its own: it outlives the call while the machine stays warm
-    setsid "$@" > "$logf" 2>&1 < /dev/null &
-    BG=$!
-  else
-    "$@" > "$logf" 2>&1 &
-    BG=$!; STARTED+=("$BG")
-  fi
-  echo "$BG" > "$I20/pid.$name"
-}
+source "$(cd "$(dirname "$0")" && pwd)/device_lib.sh" "$@"   # PHASE, BUDGET, ARGS, OUT, RAW, RES, SUM, MODEL, helpers
 
 # ------------------------------------------------------------------ gen
 phase_gen() {
@@ -181,31 +51,31 @@ phase_gen() {
   } 2>&1 | tee -a "$SUM"
   local t0 j
   t0=$(now)
-  j=$($PY "$HERE/i20_model.py" "$MODEL" --weights ${I20_MODEL_ARGS:-} 2> "$RAW/gen.err") || { log "model build FAILED"; tail -20 "$RAW/gen.err" | tee -a "$SUM"; return 1; }
+  j=$($PY "$HERE/model_folder.py" "$MODEL" --weights ${BENCH_MODEL_ARGS:-} 2> "$RAW/gen.err") || { log "model build FAILED"; tail -20 "$RAW/gen.err" | tee -a "$SUM"; return 1; }
   log "model: $j (wall $(since "$t0") s)"; rec phase=gen step=model "result=$j"
   du -sh "$MODEL" | tee -a "$SUM"
   # resident after writing; whether drop_caches works here; posix_fadvise eviction; a cold read (after the
   # eviction: what "cold" costs on this disk) and a warm one (page cache)
   local steps="resident dropcaches evict readbw readbw"
-  [ -n "${I20_NO_DROPCACHES:-}" ] && steps="resident evict readbw readbw"   # dry runs on a shared machine
+  [ -n "${BENCH_NO_DROPCACHES:-}" ] && steps="resident evict readbw readbw"   # dry runs on a shared machine
   for step in $steps; do
-    j=$($PY "$HERE/i20_pagecache.py" $step "$MODEL" 2>&1 | tail -1)
+    j=$($PY "$HERE/pagecache.py" $step "$MODEL" 2>&1 | tail -1)
     log "pagecache $step: $j"; rec phase=gen step=$step "result=$j"
   done
 }
 wait_gen() { # gen may run in the background (started with setsid in an earlier call): wait for it
   local i
-  if [ ! -e "$I20/gen.done" ] && [ -s "$I20/gen.pid" ]; then
-    log "waiting for the background gen (pid $(cat "$I20/gen.pid")) to finish"
+  if [ ! -e "$BENCH_DIR/gen.done" ] && [ -s "$BENCH_DIR/gen.pid" ]; then
+    log "waiting for the background gen (pid $(cat "$BENCH_DIR/gen.pid")) to finish"
     for i in $(seq 300); do
-      [ -e "$I20/gen.done" ] && break; kill -0 "$(cat "$I20/gen.pid")" 2>/dev/null || break; sleep 1
+      [ -e "$BENCH_DIR/gen.done" ] && break; kill -0 "$(cat "$BENCH_DIR/gen.pid")" 2>/dev/null || break; sleep 1
     done
   fi
-  if [ -s "$I20/out-gen/summary.txt" ] && [ ! -e "$I20/gen.reported" ]; then
-    { echo "==== background gen (earlier calls)"; cat "$I20/out-gen/summary.txt"; tail -5 "$I20/gen.console"; } | tee -a "$SUM"
-    cp "$I20/out-gen/raw_gen.tar.gz" "$OUT/" 2>/dev/null; touch "$I20/gen.reported"
+  if [ -s "$BENCH_DIR/out-gen/summary.txt" ] && [ ! -e "$BENCH_DIR/gen.reported" ]; then
+    { echo "==== background gen (earlier calls)"; cat "$BENCH_DIR/out-gen/summary.txt"; tail -5 "$BENCH_DIR/gen.console"; } | tee -a "$SUM"
+    cp "$BENCH_DIR/out-gen/raw_gen.tar.gz" "$OUT/" 2>/dev/null; touch "$BENCH_DIR/gen.reported"
   fi
-  [ -e "$I20/gen.done" ] || log "warning: gen has not finished (see $I20/gen.console)"
+  [ -e "$BENCH_DIR/gen.done" ] || log "warning: gen has not finished (see $BENCH_DIR/gen.console)"
 }
 
 # ------------------------------------------------------------------ pyc
@@ -226,8 +96,8 @@ phase_micro() {
   local avail; avail=$(df -P -B1G "$BASE" | awk 'NR==2{print $4}')
   local stage=(--stage-dir "$BASE/stage")
   [ "${avail:-0}" -ge 20 ] || { stage=(); log "only ${avail} GB free: no staging copy"; }
-  $PY "$HERE/i20_loaders.py" all "$MODEL" "$RES" --logdir "$RAW" --budget $(( $(left) - 15 )) "${stage[@]}" 2>&1 | tee -a "$SUM"
-  log "best non-default loader for load:best -> $($PY "$HERE/i20_util.py" best "$RES")"
+  $PY "$HERE/weight_loaders.py" all "$MODEL" "$RES" --logdir "$RAW" --budget $(( $(left) - 15 )) "${stage[@]}" 2>&1 | tee -a "$SUM"
+  log "best non-default loader for load:best -> $($PY "$HERE/device_util.py" best "$RES")"
 }
 
 # ------------------------------------------------------------------ ready
@@ -250,7 +120,7 @@ run_ready() { # CASE
     compile:warm) real=0; est=105; lname=dummy;;
     load:auto) ;;
     load:auto-warm) evict=0;;
-    load:best) IFS='|' read -r lname largs <<< "$($PY "$HERE/i20_util.py" best "$RES")";;
+    load:best) IFS='|' read -r lname largs <<< "$($PY "$HERE/device_util.py" best "$RES")";;
     load:*) lname=${case#load:}; largs=$(loader_args "$lname");;
     *) log "unknown case $case"; return;;
   esac
@@ -262,8 +132,8 @@ run_ready() { # CASE
   mkdir -p "$VC/triton-pre" "$VC/inductor-pre"
   if [ $real = 1 ]; then
     [ -f "$MODEL/model.safetensors.index.json" ] || { log "$case: no weights at $MODEL"; return; }
-    if [ $evict = 1 ]; then ev=$($PY "$HERE/i20_pagecache.py" evict "$MODEL" | tail -1)
-    else ev=$($PY "$HERE/i20_pagecache.py" resident "$MODEL" | tail -1); fi
+    if [ $evict = 1 ]; then ev=$($PY "$HERE/pagecache.py" evict "$MODEL" | tail -1)
+    else ev=$($PY "$HERE/pagecache.py" resident "$MODEL" | tail -1); fi
   fi
   local fmt=""; [ $real = 0 ] && fmt="--load-format dummy"
   logf=$RAW/serve_${n}_${case//:/-}.log
@@ -275,8 +145,8 @@ run_ready() { # CASE
   pid=$BG
   wait_ready http://127.0.0.1:8001 $pid $dl; rc=$?
   ready=$(since "$t0")
-  stop_tree $pid; rm -f "$I20/pid.ready"
-  local ls; ls=$($PY "$HERE/i20_util.py" logstats "$logf")
+  stop_tree $pid; rm -f "$BENCH_DIR/pid.ready"
+  local ls; ls=$($PY "$HERE/device_util.py" logstats "$logf")
   if [ $rc = 0 ]; then log "$case ($lname) ready_s=$ready  $ls"
   else log "$case ($lname) FAILED (rc $rc: 1 died, 2 deadline) after $ready s"; fail_tail "$logf"; fi
   # where the compile artefacts landed (what a shared cache must hold): MiB per folder, two levels
@@ -294,56 +164,6 @@ phase_ready() {
 }
 
 # ------------------------------------------------------------------ routing
-ensure_model() { # config + tokenizer only (dummy weights): what routing and baseline need; gen adds weights
-  [ -f "$MODEL/config.json" ] && return 0
-  local j
-  j=$($PY "$HERE/i20_model.py" "$MODEL" ${I20_MODEL_ARGS:-} 2> "$RAW/model.err") || { log "model folder FAILED"; tail -20 "$RAW/model.err" | tee -a "$SUM"; return 1; }
-  log "model folder (no weights): $j"
-}
-replica() { # IDX PORT
-  VLLM_SERVER_DEV_MODE=1 VLLM_PORT=$((30000 + 1000 * $1)) VLLM_DP_MASTER_PORT=$((40000 + 1000 * $1)) \
-    VLLM_CACHE_ROOT=$VC TRITON_CACHE_DIR=$VC/triton-pre TORCHINDUCTOR_CACHE_DIR=$VC/inductor-pre \
-    start_bg "replica$1" "$RAW/replica$1.log" $VLLM serve "$MODEL" $COMMON --port "$2" --load-format dummy $REPLICA_MEM \
-      ${I20_REPLICA_EXTRA:-}   # e.g. --enable-prompt-tokens-details: per-request cached_tokens for the client
-}
-SRC=${I20_SRC:-$(cd "$HERE/../.." && pwd)/src}   # hpcserve's own data plane (hps:POLICY): checkout or snapshot
-HPS_SOCK=$I20/hps/admin.sock
-HPS_OK=0
-hps_check() { # can the device's python run hpcserve.endpoint.dataplane (its imports come with vLLM)?
-  local err
-  if [ ! -f "$SRC/hpcserve/endpoint/dataplane.py" ]; then log "hps: no $SRC/hpcserve/endpoint/dataplane.py: hps:* cases skipped"; return; fi
-  if err=$(PYTHONPATH=$SRC $PY -c "import hpcserve.endpoint.dataplane, setproctitle, uvloop" 2>&1); then HPS_OK=1; log "hps: data plane importable from $SRC"
-  else log "hps: import failed, hps:* cases skipped: $(echo "$err" | tail -3 | tr '\n' ' ' | cut -c1-400)"; fi
-}
-start_hps() { # POLICY LOG: the data plane on 127.0.0.1:8000, both replicas set over its admin socket
-  local i put
-  start_bg router "$2" env PYTHONPATH="$SRC" $PY -m hpcserve.endpoint.dataplane --host 127.0.0.1 --port 8000 \
-    --admin-socket "$HPS_SOCK" --policy "$1" --hold-s 30 ${I20_HPS_ARGS:-}   # e.g. --workers 2
-  for i in $(seq 60); do
-    curl -sf -m 2 --unix-socket "$HPS_SOCK" http://hps/health >/dev/null && break
-    kill -0 "$BG" 2>/dev/null || return 1; sleep 0.5
-  done
-  put=$(curl -s -m 10 --unix-socket "$HPS_SOCK" -X PUT http://hps/backends -H 'Content-Type: application/json' \
-    -d "{\"backends\":[{\"url\":\"http://127.0.0.1:8001\",\"capacity\":$HPS_CAP${I20_HPS_KV:+,\"kv_tokens\":$I20_HPS_KV}},{\"url\":\"http://127.0.0.1:8002\",\"capacity\":$HPS_CAP${I20_HPS_KV:+,\"kv_tokens\":$I20_HPS_KV}}]}")
-  echo "PUT /backends -> $put" >> "$2"
-  echo "$put" | grep -q '"backends": *\[{' || return 1
-}
-hps_metrics() { # N: the data plane's own counters (GET /backends, /metrics on the admin socket) -> compact JSON
-  curl -s -m 10 --unix-socket "$HPS_SOCK" http://hps/backends > "$RAW/router_backends_$1.json"
-  curl -s -m 10 --unix-socket "$HPS_SOCK" http://hps/metrics > "$RAW/router_metrics_$1.txt"
-  $PY - "$RAW/router_backends_$1.json" <<'PY'
-import json, sys
-try:
-    d = json.load(open(sys.argv[1]))
-    print(json.dumps({"policy": d.get("policy"), "held": d.get("held"), "requests_by_backend":
-        {b["url"][-4:]: b.get("requests") for b in d.get("backends", [])}, "failures_by_backend":
-        {b["url"][-4:]: b.get("failures") for b in d.get("backends", [])}, "kv_events_by_backend":
-        {b["url"][-4:]: [b.get("kv_events"), b.get("exact_blocks"), b.get("exact_complete")]
-         for b in d.get("backends", [])}}))
-except Exception as exc:
-    print(json.dumps({"error": f"no data plane backends: {exc}"}))
-PY
-}
 phase_routing() {
   ensure_model || return 1
   local runs=("${ARGS[@]}")
@@ -352,8 +172,8 @@ phase_routing() {
   [ ${#runs[@]} = 0 ] && runs=(pre:round_robin pre:hps:prefix pre:cache_aware mt:round_robin mt:hps:prefix
                                mt:cache_aware pre:hps:least_loaded mt:consistent_hash cal:round_robin cal:hps:prefix)
   case " ${runs[*]}" in *:hps:*) hps_check;; esac
-  # the data plane's capacity per backend: the replicas' --max-num-seqs (vLLM's default unless I20_HPS_CAP)
-  HPS_CAP=${I20_HPS_CAP:-256}
+  # the data plane's capacity per backend: the replicas' --max-num-seqs (vLLM's default unless BENCH_HPS_CAP)
+  HPS_CAP=${BENCH_HPS_CAP:-256}
   gpu_free
   mkdir -p "$VC/triton-pre" "$VC/inductor-pre"
   local t0 p1 p2 rc1 rc2
@@ -368,7 +188,7 @@ phase_routing() {
     [ $rc2 != 0 ] && { fail_tail "$RAW/replica2.log"; stop_tree $p2; cp "$RAW/replica2.log" "$RAW/replica2.first.log"; replica 2 8002; p2=$BG; wait_ready http://127.0.0.1:8002 $p2 300; rc2=$?; }
     log "replicas after retry: rc $rc1/$rc2 after $(since "$t0") s"
   fi
-  local l1 l2; l1=$($PY "$HERE/i20_util.py" logstats "$RAW/replica1.log"); l2=$($PY "$HERE/i20_util.py" logstats "$RAW/replica2.log")
+  local l1 l2; l1=$($PY "$HERE/device_util.py" logstats "$RAW/replica1.log"); l2=$($PY "$HERE/device_util.py" logstats "$RAW/replica2.log")
   rec phase=routing step=replicas ok=$([ $rc1 = 0 ] && [ $rc2 = 0 ] && echo true || echo false) ready_s=$(since "$t0") "r1=$l1" "r2=$l2"
   log "replica 1: $l1"; log "replica 2: $l2"
   [ $rc1 = 0 ] && [ $rc2 = 0 ] || { fail_tail "$RAW/replica1.log"; fail_tail "$RAW/replica2.log"; return 1; }
@@ -384,18 +204,18 @@ phase_routing() {
     case $wl in *@*) rate=${wl#*@}; wl=${wl%%@*};; esac
     tag=$wl; [ -n "$rate" ] && tag=${wl}_r$rate
     case $wl in
-      pre) est=60; cargs=(${I20_PRE_ARGS:---mode prefix --vocab 10000 --num-prefixes $P --prefix-len 1900 --suffix-len 100 --output-len 16 --num-requests $((4 * P)) --concurrency 128});;
-      cal) est=75; cargs=(${I20_CAL_ARGS:---mode prefix --vocab 10000 --num-prefixes $P --prefix-len 1850 --suffix-len 100 --output-len 64 --num-requests $((4 * P)) --concurrency 32});;
-      rnd) est=50; cargs=(${I20_RND_ARGS:---mode prefix --vocab 10000 --num-prefixes 800 --prefix-len 511 --suffix-len 1 --output-len 128 --num-requests 800 --concurrency 64});;
+      pre) est=60; cargs=(${BENCH_PRE_ARGS:---mode prefix --vocab 10000 --num-prefixes $P --prefix-len 1900 --suffix-len 100 --output-len 16 --num-requests $((4 * P)) --concurrency 128});;
+      cal) est=75; cargs=(${BENCH_CAL_ARGS:---mode prefix --vocab 10000 --num-prefixes $P --prefix-len 1850 --suffix-len 100 --output-len 64 --num-requests $((4 * P)) --concurrency 32});;
+      rnd) est=50; cargs=(${BENCH_RND_ARGS:---mode prefix --vocab 10000 --num-prefixes 800 --prefix-len 511 --suffix-len 1 --output-len 128 --num-requests 800 --concurrency 64});;
       vb) est=75; cargs=();;
-      mt) est=75; cargs=(${I20_MT_ARGS:---mode multiturn --sessions $S --turns 6 --user-len 250 --output-len 48 --concurrency 64});;
+      mt) est=75; cargs=(${BENCH_MT_ARGS:---mode multiturn --sessions $S --turns 6 --user-len 250 --output-len 48 --concurrency 64});;
       *) log "unknown workload $wl"; continue;;
     esac
     if [ -n "$rate" ]; then # open loop: the run lasts about (requests / rate) whatever the policy
       [ $wl = mt ] && { log "$spec: no request rate for mt"; continue; }
       local nreq=$((4 * P)); [ $wl = rnd ] && nreq=800
       est=$($PY -c "print(int($nreq / float('$rate')) + 25)") || { log "$spec: bad rate"; continue; }
-      [ $wl = vb ] || cargs+=(--request-rate "$rate" --concurrency "${I20_OPEN_CAP:-4096}")
+      [ $wl = vb ] || cargs+=(--request-rate "$rate" --concurrency "${BENCH_OPEN_CAP:-4096}")
     fi
     if [ "$(left)" -lt $est ]; then log "$spec skipped: $(left) s left"; rec phase=routing workload=$wl policy=$pol ok=false skipped=true; continue; fi
     if [ "${pol%%:*}" = hps ]; then
@@ -410,53 +230,53 @@ phase_routing() {
     wait_ready http://127.0.0.1:8000 $rp 60; rrc=$?
     if [ $rrc != 0 ]; then log "router ($pol) not ready: rc $rrc"; fail_tail "$RAW/router_${i}_$pn.log"; stop_tree $rp; continue; fi
     local r1 r2; r1=$(curl -s -m 30 -X POST http://127.0.0.1:8001/reset_prefix_cache); r2=$(curl -s -m 30 -X POST http://127.0.0.1:8002/reset_prefix_cache)
-    $PY "$HERE/i20_util.py" metrics http://127.0.0.1:8001 "$RAW/m${i}_r1_before.json" >/dev/null
-    $PY "$HERE/i20_util.py" metrics http://127.0.0.1:8002 "$RAW/m${i}_r2_before.json" >/dev/null
+    $PY "$HERE/device_util.py" metrics http://127.0.0.1:8001 "$RAW/m${i}_r1_before.json" >/dev/null
+    $PY "$HERE/device_util.py" metrics http://127.0.0.1:8002 "$RAW/m${i}_r2_before.json" >/dev/null
     local tl=$(( $(left) - 10 )); [ $tl -lt 30 ] && tl=30
     local cj
     if [ $wl = vb ]; then # vllm's own client (sends x-request-id per request: consistent_hash = random there)
       timeout $tl vllm bench serve --backend vllm --base-url http://127.0.0.1:8000 --endpoint /v1/completions \
         --model m --tokenizer "$MODEL" --dataset-name prefix_repetition --prefix-repetition-num-prefixes $P \
         --prefix-repetition-prefix-len 1850 --prefix-repetition-suffix-len 100 --prefix-repetition-output-len 64 \
-        --num-prompts $((4 * P)) --max-concurrency 32 --ignore-eos --seed $seed --num-warmups 0 ${rate:+--request-rate $rate --max-concurrency ${I20_OPEN_CAP:-4096}} \
+        --num-prompts $((4 * P)) --max-concurrency 32 --ignore-eos --seed $seed --num-warmups 0 ${rate:+--request-rate $rate --max-concurrency ${BENCH_OPEN_CAP:-4096}} \
         --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --save-result --result-dir "$RAW" \
         --result-filename "vb_${i}_$pn.json" > "$RAW/client_${i}.err" 2>&1
-      cj=$($PY "$HERE/i20_util.py" vbsum "$RAW/vb_${i}_$pn.json")
+      cj=$($PY "$HERE/device_util.py" vbsum "$RAW/vb_${i}_$pn.json")
     else
-      cj=$(timeout $tl $PY "$HERE/i20_prefix_client.py" --url http://127.0.0.1:8000 --seed $seed \
+      cj=$(timeout $tl $PY "$HERE/prefix_client.py" --url http://127.0.0.1:8000 --seed $seed \
         --session-header --out "$RAW/client_${i}_${tag}_$pn.json" "${cargs[@]}" 2> "$RAW/client_${i}.err" | tail -1)
     fi
     local rmj
     if [ "${pol%%:*}" = hps ]; then rmj=$(hps_metrics $i)
     else curl -s -m 10 http://127.0.0.1:29001/metrics > "$RAW/router_metrics_$i.txt"
-      rmj=$($PY "$HERE/i20_util.py" rmetrics "$RAW/router_metrics_$i.txt"); fi
-    $PY "$HERE/i20_util.py" metrics http://127.0.0.1:8001 "$RAW/m${i}_r1_after.json" >/dev/null
-    $PY "$HERE/i20_util.py" metrics http://127.0.0.1:8002 "$RAW/m${i}_r2_after.json" >/dev/null
-    local md; md=$($PY "$HERE/i20_util.py" mdiff "$RAW/m${i}_r1_before.json" "$RAW/m${i}_r1_after.json" "$RAW/m${i}_r2_before.json" "$RAW/m${i}_r2_after.json")
+      rmj=$($PY "$HERE/device_util.py" rmetrics "$RAW/router_metrics_$i.txt"); fi
+    $PY "$HERE/device_util.py" metrics http://127.0.0.1:8001 "$RAW/m${i}_r1_after.json" >/dev/null
+    $PY "$HERE/device_util.py" metrics http://127.0.0.1:8002 "$RAW/m${i}_r2_after.json" >/dev/null
+    local md; md=$($PY "$HERE/device_util.py" mdiff "$RAW/m${i}_r1_before.json" "$RAW/m${i}_r1_after.json" "$RAW/m${i}_r2_before.json" "$RAW/m${i}_r2_after.json")
     [ -n "$cj" ] || { cj='{}'; log "client failed:"; tail -5 "$RAW/client_${i}.err" | tee -a "$SUM"; }
     log "$wl/$pol${rate:+ at $rate req/s} seed $seed (reset: $r1 $r2)"; log "  client: $cj"; log "  metrics: $md"; log "  router: $rmj"
     echo "$cj" | grep -q '"failed": 0,' || log "  WARNING: $wl/$pol had failed requests (or no client summary)"
     rec phase=routing workload=$wl policy=$pol seed=$seed rate=${rate:-closed} ok=true "client=$cj" "metrics=$md" "router=$rmj" kv_tokens=$K \
         "sizes={\"P\":$P,\"S\":$S}" run=$i
-    stop_tree $rp; rm -f "$I20/pid.router"
+    stop_tree $rp; rm -f "$BENCH_DIR/pid.router"
   done
-  stop_tree $p1; stop_tree $p2; rm -f "$I20/pid.replica1" "$I20/pid.replica2"
+  stop_tree $p1; stop_tree $p2; rm -f "$BENCH_DIR/pid.replica1" "$BENCH_DIR/pid.replica2"
 }
 
 # ------------------------------------------------------------------ baseline
-phase_baseline() { # issue 20 part 4: `hpcserve baseline` on the one GPU (single node = the configured layout here)
-  local snap=${I20_SNAP:-$(dirname "$SRC")} t0 rc folder
+phase_baseline() { # `hpcserve baseline` on the one GPU (single node = the configured layout here)
+  local snap=${BENCH_SNAP:-$(dirname "$SRC")} t0 rc folder
   ensure_model || return 1
   $PY -m pip install -q --no-deps --no-build-isolation --no-compile "$snap" > "$RAW/pip.log" 2>&1 || { log "pip install of $snap FAILED"; tail -5 "$RAW/pip.log" | tee -a "$SUM"; return 1; }
   command -v hpcserve >/dev/null || { log "no hpcserve on PATH after the install"; return 1; }
   log "hpcserve installed from $snap: $($PY -c 'import hpcserve, os; print(os.path.dirname(hpcserve.__file__))')"
-  export HPCSERVE_HOME=$I20/hpcserve-home HPCSERVE_CACHE=$I20/hpcserve-cache
+  export HPCSERVE_HOME=$BENCH_DIR/hpcserve-home HPCSERVE_CACHE=$BENCH_DIR/hpcserve-cache
   HPCSERVE_API_KEY=$($PY -c 'import secrets; print(secrets.token_hex(16))'); export HPCSERVE_API_KEY
   mkdir -p "$VC/triton-pre" "$VC/inductor-pre"
   # The routing replicas' compile cache (same model folder, dtype, max-model-len): engine.env names it, which
-  # hpcserve lets override its own per-layout folder (deployment/replicas.py _engine_env). A miss compiles.
-  cat > "$I20/baseline.yaml" <<YAML
-# issue 20 part 4 on one H200: the Llama-3.1-8B shape, dummy weights, one TP=1 replica (executor auto = uni)
+  # hpcserve lets override its own per-layout folder (engine/replicas.py _engine_env). A miss compiles.
+  cat > "$BENCH_DIR/baseline.yaml" <<YAML
+# the baseline on one H200: the Llama-3.1-8B shape, dummy weights, one TP=1 replica (executor auto = uni)
 name: h200-base
 model: {path: $MODEL, served_name: m, dtype: bfloat16, max_model_len: 2048}
 cluster: {scheduler: local, nodes: 1, gpus_per_node: 1, cpus_per_node: 16, gpu_memory_gb: 139}
@@ -467,30 +287,28 @@ engine:
         VLLM_ALLREDUCE_USE_SYMM_MEM: "0", VLLM_USE_FLASHINFER_SAMPLER: "0", VLLM_CACHE_ROOT: "$VC",
         TRITON_CACHE_DIR: "$VC/triton-pre", TORCHINDUCTOR_CACHE_DIR: "$VC/inductor-pre"}
 serve: {host: 127.0.0.1, port: 8000, api_key_env: HPCSERVE_API_KEY}
-results_dir: $I20/results
+results_dir: $BENCH_DIR/results
 YAML
-  cp "$I20/baseline.yaml" "$RAW/"
+  cp "$BENCH_DIR/baseline.yaml" "$RAW/"
   gpu_free
-  local args=(${I20_BASELINE_ARGS:---concurrency 8,32 --num-prompts 64 --input-len 512 --output-len 128})
-  log "hpcserve baseline $I20/baseline.yaml ${args[*]} (deadline $(( $(left) - 20 )) s)"
+  local args=(${BENCH_BASELINE_ARGS:---concurrency 8,32 --num-prompts 64 --input-len 512 --output-len 128})
+  log "hpcserve baseline $BENCH_DIR/baseline.yaml ${args[*]} (deadline $(( $(left) - 20 )) s)"
   t0=$(now)
-  timeout $(( $(left) - 20 )) hpcserve baseline "$I20/baseline.yaml" "${args[@]}" > "$RAW/baseline.out" 2>&1; rc=$?
+  timeout $(( $(left) - 20 )) hpcserve baseline "$BENCH_DIR/baseline.yaml" "${args[@]}" > "$RAW/baseline.out" 2>&1; rc=$?
   log "hpcserve baseline rc $rc after $(since "$t0") s"; tail -n 30 "$RAW/baseline.out" | cut -c1-300 | tee -a "$SUM"
   [ $rc = 0 ] || { hpcserve down h200-base >> "$RAW/down.log" 2>&1; hpcserve down h200-base-single >> "$RAW/down.log" 2>&1; }
-  folder=$I20/results/logs/h200-base/baseline
+  folder=$BENCH_DIR/results/logs/h200-base/baseline
   [ -d "$folder" ] && { tar czf "$OUT/baseline.tar.gz" -C "$folder" . ; cp "$folder/baseline.md" "$OUT/" 2>/dev/null; }
   # every run folder (timelines, states, engine and router logs: where `up`'s time went, compile cache hit/miss)
-  cp -a "$I20/results" "$RAW/results" 2>/dev/null
-  find "$I20/results" -path '*engines*' -name '*.log' -exec grep -H -m2 -E "Directly load|Compiling a graph|saved AOT|Compiling model again" {} + 2>/dev/null | cut -c1-240 | tee -a "$SUM"
+  cp -a "$BENCH_DIR/results" "$RAW/results" 2>/dev/null
+  find "$BENCH_DIR/results" -path '*engines*' -name '*.log' -exec grep -H -m2 -E "Directly load|Compiling a graph|saved AOT|Compiling model again" {} + 2>/dev/null | cut -c1-240 | tee -a "$SUM"
   rec phase=baseline ok=$([ $rc = 0 ] && echo true || echo false) rc=$rc seconds=$(since "$t0") "args=${args[*]}"
 }
 
-# Sourced as a library (I20_LIB=1: routing_device.sh), only the settings and functions above are wanted.
-[ -n "${I20_LIB:-}" ] && return 0
 leftovers
 log "phase $PHASE (budget $BUDGET s) on $(hostname); base $BASE"
 case $PHASE in
-  gen) echo $$ > "$I20/gen.pid"; rm -f "$I20/gen.done"; phase_gen;;
+  gen) echo $$ > "$BENCH_DIR/gen.pid"; rm -f "$BENCH_DIR/gen.done"; phase_gen;;
   pyc) phase_pyc;;
   micro) phase_micro;;
   ready) phase_ready;;

@@ -1,6 +1,6 @@
-"""Issue 20: a Llama-3.1-8B-shaped model folder, optionally with real bf16 safetensors of random values.
+"""A Llama-3.1-8B-shaped model folder, optionally with real bf16 safetensors of random values.
 
-usage: i20_model.py DIR [--weights] [--shards 4] [--layers 32 --hidden 4096 --inter 14336 --heads 32
+usage: model_folder.py DIR [--weights] [--shards 4] [--layers 32 --hidden 4096 --inter 14336 --heads 32
                          --kv-heads 8 --vocab 128256 --max-pos 8192] [--device cuda]
 
 - config.json: LlamaForCausalLM, the 8B shape, vocab 128256 (the real vocabulary size, so the checkpoint is

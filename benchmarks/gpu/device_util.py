@@ -1,16 +1,17 @@
-"""Issue 20: small helpers for i20_device.sh (JSON records, vLLM log stages, /metrics, the loader choice).
+"""Small helpers for the device scripts (startup_device.sh, routing_device.sh): JSON records, vLLM log stages,
+/metrics, the loader choice.
 
-usage: i20_util.py record FILE key=value...      append one JSON line (values: JSON if they parse, else text)
-       i20_util.py logstats LOG                  JSON: what vLLM's log says (weights, compile cache, KV cache)
-       i20_util.py metrics URL OUT.json          snapshot of a replica's /metrics (counters summed over labels)
-       i20_util.py mdiff B1 A1 [B2 A2 ...]       JSON: counters' increase per replica (before/after pairs) and
+usage: device_util.py record FILE key=value...      append one JSON line (values: JSON if they parse, else text)
+       device_util.py logstats LOG                  JSON: what vLLM's log says (weights, compile cache, KV cache)
+       device_util.py metrics URL OUT.json          snapshot of a replica's /metrics (counters summed over labels)
+       device_util.py mdiff B1 A1 [B2 A2 ...]       JSON: counters' increase per replica (before/after pairs) and
                                                  summed, prefix-cache hit rate (hits / queries, in tokens)
-       i20_util.py rmetrics FILE                 JSON: vllm-router's own counters from a saved /metrics page (cache_aware's
+       device_util.py rmetrics FILE                 JSON: vllm-router's own counters from a saved /metrics page (cache_aware's
                                                  prefix decisions: prefix_hit / prefix_miss / missing_tokens / ...)
-       i20_util.py vbsum FILE                    `vllm bench serve --save-result` JSON in this client's summary keys
-       i20_util.py tree PID                      PID's descendants (to stop a server and its engine by id)
-       i20_util.py best MICRO.jsonl              the fastest working non-default loader as `name|serve args`
-       i20_util.py table RESULTS.jsonl           the results so far as short text tables
+       device_util.py vbsum FILE                    `vllm bench serve --save-result` JSON in this client's summary keys
+       device_util.py tree PID                      PID's descendants (to stop a server and its engine by id)
+       device_util.py best MICRO.jsonl              the fastest working non-default loader as `name|serve args`
+       device_util.py table RESULTS.jsonl           the results so far as short text tables
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Issue 20 (3): a shared-prefix load for a pool of vLLM replicas behind a router, streamed.
+"""A shared-prefix load for a pool of vLLM replicas behind a router, streamed.
 
-usage: i20_prefix_client.py --url URL[,URL2...] --out OUT.json --seed S [--model m] [--concurrency C]
+usage: prefix_client.py --url URL[,URL2...] --out OUT.json --seed S [--model m] [--concurrency C]
                              [--session-header] [--kv-tokens K [--replicas 2] [--block 16]]
          --mode prefix    --num-prefixes P --prefix-len L --suffix-len X --output-len O --num-requests N
                           [--request-rate R]
@@ -14,7 +14,7 @@ body (src/policies/hash_key.rs): under vllm bench, consistent_hash is random rou
 `x-session-id: <prefix or session id>` (--session-header; every policy gets the same requests, only
 consistent_hash reads it) and no x-request-id.
 
-Prompts are strings of the i20_model.py tokenizer's words ('w123 w456 ...', one token each), so their
+Prompts are strings of the model_folder.py tokenizer's words ('w123 w456 ...', one token each), so their
 token lengths are exact and a shared prefix is a shared string prefix (what cache_aware matches on).
 - prefix: P random prefixes of L tokens; N requests, N/P per prefix, each prefix + its own X-token
   suffix, in a seeded random order, at most C in flight, O output tokens each (ignore_eos).

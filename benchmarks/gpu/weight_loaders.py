@@ -1,15 +1,15 @@
-"""Issue 20 (2): vLLM 0.26's own weight iterators, timed alone (no `vllm serve` around them).
+"""vLLM 0.26's own weight iterators, timed alone (no `vllm serve` around them).
 
-usage: i20_loaders.py run VARIANT[,VARIANT...] MODEL_DIR [--stage-dir DIR]
+usage: weight_loaders.py run VARIANT[,VARIANT...] MODEL_DIR [--stage-dir DIR]
            one process: each variant in turn, one JSON line each (vLLM imported once)
-       i20_loaders.py all MODEL_DIR OUT.jsonl --logdir DIR [--budget S] [--stage-dir DIR] [--groups G;G;...]
+       weight_loaders.py all MODEL_DIR OUT.jsonl --logdir DIR [--budget S] [--stage-dir DIR] [--groups G;G;...]
            each group of variants in its own process (a crash in a native loader loses only that group),
            skipping a group that might not end within the budget; results appended to OUT.jsonl
 
 Each variant iterates over every tensor of the checkpoint the way vLLM's loader does and puts it on the
 GPU (CPU tensors: `.to('cuda')`, what the weight_loader's copy_ does; the GPU loaders yield GPU tensors),
 keeps them all (as the model would), then synchronizes. Cold variants first drop the files' pages from
-the page cache (posix_fadvise DONTNEED, i20_pagecache.py). The CUDA context and the vLLM import are
+the page cache (posix_fadvise DONTNEED, pagecache.py). The CUDA context and the vLLM import are
 made before the clock starts: they are the same for every loader.
 
 Variants (the `--load-format` / option each one stands for in `vllm serve`):
@@ -40,9 +40,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-DEV = os.environ.get("I20_DEVICE", "cuda")  # "cpu" only for a dry run of this script without a GPU
+DEV = os.environ.get("BENCH_DEVICE", "cuda")  # "cpu" only for a dry run of this script without a GPU
 sys.path.insert(0, str(HERE))
-import i20_pagecache as pc
+import pagecache as pc
 
 DEFAULT_GROUPS = "st_lazy,runai,fastsafetensors,instanttensor;st_prefetch,stage,st_lazy_warm,st_mt8,st_eager"
 # rough seconds a variant may take (cold read of 16 GB + copies); +15 s a process (imports). Budget check only.
@@ -215,9 +215,9 @@ def main() -> None:
     ap.add_argument("cmd", choices=["run", "all"])
     ap.add_argument("args", nargs="+")
     ap.add_argument("--stage-dir", type=Path)
-    ap.add_argument("--logdir", type=Path, default=Path("/tmp/i20-micro-logs"))
+    ap.add_argument("--logdir", type=Path, default=Path("/tmp/gpubench-micro-logs"))
     ap.add_argument("--budget", type=float, default=300)
-    ap.add_argument("--groups", default=os.environ.get("I20_MICRO_GROUPS", DEFAULT_GROUPS))
+    ap.add_argument("--groups", default=os.environ.get("BENCH_MICRO_GROUPS", DEFAULT_GROUPS))
     a = ap.parse_args()
     if a.cmd == "run":
         run_variants(a.args[0].split(","), Path(a.args[1]), a.stage_dir)

@@ -1,0 +1,131 @@
+"""`hpcserve status` and `hpcserve logs`: what is really running, and every log of a run (mounted by
+hpcserve.cli.main)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Group
+from rich.text import Text
+
+from hpcserve import api
+from hpcserve.cli.common import NameArg, console, err, guarded
+from hpcserve.cli.watch import watch as live
+from hpcserve.core.errors import UsageError
+from hpcserve.core.statuses import RunStatus
+from hpcserve.core.tables import narrow_table
+from hpcserve.core.timeline import breakdown_line
+from hpcserve.endpoint.holding import describe as describe_holding
+
+
+@guarded
+def status(name: Optional[str] = typer.Argument(None, help="one deployment; default: all"),
+           as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
+           watch: bool = typer.Option(False, "--watch", "-w", help="live view of nodes and replicas; Ctrl-C to stop"),
+           interval: float = typer.Option(2.0, min=0.5, help="seconds between refreshes with --watch")):
+    """What is really running: checked now (driver process or Slurm job, each replica's /health)."""
+    if watch:
+        if as_json:
+            raise UsageError("--watch and --json do not go together")
+        if name:
+            api.load_record(name)  # an unknown name fails now, listing the known ones
+
+        live(name, interval)
+        return
+    rows = api.status(name)
+    if as_json:
+        print(json.dumps([r.to_json() for r in rows], indent=2))
+        return
+    if not rows:
+        console.print("no deployments. Start one with `hpcserve up CONFIG`.")
+        return
+    console.print(status_view(rows))
+    for r in rows:
+        if r.error:
+            err.print(f"{r.name}: stage '{r.error['stage']}' failed: {r.error['diagnosis']} (read {r.error.get('log')})",
+                      highlight=False)
+
+
+def status_view(rows: list[api.DeploymentStatus]) -> Group:
+    """The deployments in a table that reads at 80 columns; for each, below it: what runs it, its
+    endpoint and replicas (URLs whole), members, last decisions, results folder and where up's time went."""
+    table = narrow_table("deployments", "name", "status", "stage", "replicas", left=("name", "status", "stage"))
+    lines: list[str] = []
+    for r in rows:
+        healthy = sum(1 for x in r.replicas if x["healthy"])
+        table.add_row(r.name, _colour(r.status), r.stage or "-", f"{healthy}/{len(r.replicas)} up" if r.replicas else "-")
+        lines += deployment_lines(r)
+    return Group(table, *(Text(line, no_wrap=True, overflow="ignore") for line in lines))
+
+
+def deployment_lines(r: api.DeploymentStatus) -> list[str]:
+    lines = [f"{r.name}: {r.runner}"]
+    if r.advice:
+        lines.append(f"  {r.advice}")
+    if r.holding:
+        lines.append(f"  {describe_holding(r.holding)}")
+    if r.endpoint:
+        lines.append(f"  endpoint {r.endpoint}/v1")
+    lines += [f"  replica {x['index']}: {x['url']} {'healthy' if x['healthy'] else 'DOWN'}"
+              + (f", compile cache {x['compile_cache']}" if x.get("compile_cache", "none") != "none" else "")
+              for x in r.replicas]
+    for m in r.members:
+        ready = f", ready after {m['ready_s']:.0f} s" if m.get("ready_s") else ""
+        note = f" ({m['note']})" if m.get("note") else ""
+        role = f"{m['role']}, group {m['group']}" if m.get("group") else m["role"]
+        lines.append(f"  member {m['name']} [{role}] {m['status']}{ready}: {m['runner']}{note}")
+    for d in r.decisions[-8:]:
+        when = time.strftime("%H:%M:%S", time.localtime(d["time"]))
+        lines.append(f"  {when} {d['action']}: {d['reason']}")
+    lines.append(f"  results folder: {r.run_dir}")
+    if r.stages:
+        lines.append(f"  where the time went: {breakdown_line(r.stages)}")
+    return lines
+
+
+def _colour(state: str) -> str:
+    colour = {RunStatus.READY: "green", RunStatus.FAILED: "red", RunStatus.DEAD: "red",
+              RunStatus.DEGRADED: "yellow", RunStatus.UNCONTROLLED: "yellow",
+              RunStatus.HOLDING: "yellow"}.get(state, "cyan")
+    return f"[{colour}]{state}[/]"
+
+
+@guarded
+def logs(name: str = NameArg,
+         node: Optional[str] = typer.Option(None, help="only this node's files (hostname)"),
+         component: Optional[str] = typer.Option(None, help="driver, slurm, ray, engine, health, monitor, timeline"),
+         follow: bool = typer.Option(False, "--follow", "-f", help="keep printing new lines"),
+         lines: int = typer.Option(40, help="last lines of each file"),
+         list_only: bool = typer.Option(False, "--list", help="only list the files")):
+    """Show a deployment's logs: every node's, in one results folder."""
+    files = api.log_files(name, node, component)
+    if not files:
+        err.print("no log files match")
+        raise typer.Exit(1)
+    for f in files:
+        if list_only:
+            print(f)
+            continue
+        console.rule(str(f))
+        text = f.read_text(errors="replace").splitlines()
+        print("\n".join(text[-lines:]))
+    if follow:
+        _follow(files)
+
+
+def _follow(files: list[Path]) -> None:
+    offsets = {f: f.stat().st_size for f in files}
+    while True:
+        for f in files:
+            size = f.stat().st_size
+            if size > offsets[f]:
+                with open(f, errors="replace") as handle:
+                    handle.seek(offsets[f])
+                    for line in handle.read().splitlines():
+                        print(f"{f.name}: {line}")
+                offsets[f] = size
+        time.sleep(0.5)
