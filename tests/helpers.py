@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -86,3 +88,40 @@ def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
         except psutil.NoSuchProcess:
             pass
     return out
+
+
+def stream_times(base_url: str, body: dict, key: str, timeout: float = 120) -> tuple[list[float], list[str]]:
+    """POST a streamed completion (or chat, with `messages`); return each SSE data line's arrival time (s
+    since sent) and the lines."""
+    import httpx
+
+    times, lines = [], []
+    start = time.monotonic()
+    with httpx.stream("POST", f"{base_url}/v1/{'chat/completions' if 'messages' in body else 'completions'}",
+                      json={**body, "stream": True}, headers={"Authorization": f"Bearer {key}"},
+                      timeout=timeout) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if line.startswith("data:"):
+                times.append(time.monotonic() - start)
+                lines.append(line)
+    return times, lines
+
+
+def streamed(base_url: str, body: dict, key: str, timeout: float = 300) -> dict:
+    """A streamed completion or chat, read whole: its text, finish_reason, events, whether [DONE] came, and
+    any error event (what a client of the endpoint sees)."""
+    times, lines = stream_times(base_url, body, key, timeout)
+    text, finish, errors = [], None, []
+    for line in lines:
+        payload = line[len("data:"):].strip()
+        if payload == "[DONE]":
+            continue
+        event = json.loads(payload)
+        if "error" in event:
+            errors.append(event["error"])
+        for choice in event.get("choices") or []:
+            text.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+            finish = choice.get("finish_reason") or finish
+    return {"text": "".join(text), "finish": finish, "events": len(lines), "done": lines[-1:] == ["data: [DONE]"],
+            "errors": errors, "seconds": times[-1] if times else 0.0}

@@ -6,6 +6,7 @@ package that does the work (docs/architecture.md shows the trip `up` makes throu
                     machine, which launches the replicas' drivers (Slurm jobs or local processes);
                     without, the driver itself (local: a detached process; slurm: a batch job)
     down(name)      stop it; nothing stays running on any node
+    down_member(name, member)  one member of an endpoint out (its streams continued elsewhere), the rest serving
     adopt(name)     a new controller for an endpoint whose controller is gone: it adopts the router and
                     replicas that still run (`up` of the same config does the same)
     status(name)    what is really running, checked now (process or job, endpoint health)
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from hpcserve.core.config import DeploymentConfig, load_config
-from hpcserve.core.errors import HpcserveError, NotFoundError
+from hpcserve.core.errors import HpcserveError, NotFoundError, UsageError
 from hpcserve.core.files import read_json
 from hpcserve.core.keys import choose_key, read_api_key, remove_secrets
 from hpcserve.core.osenv import PRIVATE_UMASK, umask
@@ -35,6 +36,7 @@ from hpcserve.deployment.logfiles import log_files
 from hpcserve.deployment.preflight import check_folders, check_scheduler, prepare
 from hpcserve.deployment.runs import CHECK_ONLY_ENV, launch, run_of
 from hpcserve.endpoint.adoption import adopt, adoptable
+from hpcserve.endpoint.member_requests import MEMBER_DOWN_TIMEOUT_S, retire
 from hpcserve.endpoint.run import start_endpoint, stop_deployment
 from hpcserve.endpoint.status import DeploymentStatus, deployment_status
 from hpcserve.engine.client import Endpoint
@@ -97,6 +99,14 @@ def down(name: str, timeout_s: float = 90.0) -> dict:
     left = stop_deployment(record, timeout_s)
     forget(name)
     return {"name": name, "run_dir": record.run_dir, "left_running": left}
+
+
+def down_member(name: str, member: str, timeout_s: float = MEMBER_DOWN_TIMEOUT_S) -> dict:
+    record = load_record(name)
+    if record.kind is not RunKind.ENDPOINT:
+        raise UsageError(f"{name} is a single deployment, not an endpoint with members: `hpcserve down {name}` stops it")
+    status = retire(Path(record.run_dir), member, timeout_s)
+    return {"name": name, "member": member, "status": str(status) if status else None, "run_dir": record.run_dir}
 
 
 def status(name: str | None = None) -> list[DeploymentStatus]:

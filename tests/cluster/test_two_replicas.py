@@ -1,7 +1,8 @@
 """Two replicas behind one endpoint on two sandbox nodes (one Slurm job each), shared by the tests that only
 read from them: both answer token-identically, status lists both, bench finds the key by name, a sampler
 runs on every node; and traffic follows capacity: one replica batches up to 8 requests, the other runs one
-at a time (its replica group's --max-num-seqs 1), and under load the big one holds most of the requests.
+at a time (its replica group's --max-num-seqs 1), and under load the big one holds most of the requests; last,
+one member taken down while it streams (`down --member`: its stream continues on the other).
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import SMALL_KV_CACHE, run_cli, write_config
+from helpers import SMALL_KV_CACHE, run_cli, streamed, write_config
 from test_distributed_serving import GREEDY, deployed, greedy_ids, status_of
 from test_endpoint import errors, finish_bench, requests_served, start_bench
 
 from hpcserve.engine.metrics import engine_load
+from hpcserve.testing.harness import wait_until
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 HERE = Path(__file__).parent
@@ -115,3 +117,31 @@ def test_unequal_replicas_get_traffic_in_proportion_to_their_capacity(replicas, 
     # when full, and CI saw the small one hold 3.9 (its mark comes a metrics poll late). Engine gauges a
     # step late can show a third request for a moment: 2.2, not 2.
     assert held[small] <= 2.2 and held[big] > 2 * held[small], (held, served)
+
+
+def test_down_of_one_member_moves_its_stream_and_the_rest_serves(replicas):
+    """`hpcserve down NAME --member M` (issue 29): the member's open stream continues on the other replica,
+    whole, its greedy text that of an uninterrupted run; the member is stopped, not replaced, and the
+    endpoint serves on. Last in the module: it leaves one member."""
+    key = os.environ["HPCSERVE_API_KEY"]
+    members = {m["group"]: m for m in status_of(NAME)["members"]}
+    big, small = members[0]["backends"][0], members[1]["backends"][0]
+    body = {"model": "tiny", "prompt": "a long answer", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+    reference = streamed(big, body, key)  # on the replica that stays, uninterrupted
+    endpoint = status_of(NAME)["endpoint"]
+    got: dict = {}
+    readers = [threading.Thread(target=lambda i=i: got.update({i: streamed(endpoint, body, key)})) for i in range(2)]
+    [reader.start() for reader in readers]
+    wait_until(lambda: engine_load(httpx.get(f"{small}/metrics", headers={"Authorization": f"Bearer {key}"},
+                                             timeout=10).text).running >= 1, 60, "a stream on the small replica")
+    down = run_cli("down", NAME, "--member", members[1]["name"], timeout=300)
+    assert down.returncode == 0, down.stdout + down.stderr
+    [reader.join(300) for reader in readers]
+    assert all(got[i]["done"] and got[i]["text"] == reference["text"] for i in range(2)), (got, reference)
+    status = status_of(NAME)
+    assert [m["status"] for m in status["members"]] == ["serving", "gone"]
+    wait_until(lambda: any(d["action"] == "migrate" for d in status_of(NAME)["decisions"]), 10, "the migration noted")
+    actions = [(d["action"], d["reason"]) for d in status_of(NAME)["decisions"]]
+    assert ("down member", f"{members[1]['name']}: drained, its streams continued elsewhere, then stopped") in actions
+    assert any(a == "migrate" and f"{small} -> {big}" in r and "(handover)" in r for a, r in actions), actions
+    assert streamed(endpoint, {**body, "max_tokens": 4}, key)["done"]  # the endpoint serves on

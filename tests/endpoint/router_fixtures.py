@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import helpers
 import httpx
 from helpers import free_port
 
@@ -81,16 +82,11 @@ def headers(key: str = KEY) -> dict[str, str]:
 
 def stream_times(base_url: str, body: dict, key: str = KEY, timeout: float = 120) -> tuple[list[float], list[str]]:
     """POST a streamed request; return each SSE data line's arrival time (s since sent) and the lines."""
-    times, lines = [], []
-    start = time.monotonic()
-    with httpx.stream("POST", f"{base_url}/v1/{'chat/completions' if 'messages' in body else 'completions'}",
-                      json={**body, "stream": True}, headers=headers(key), timeout=timeout) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if line.startswith("data:"):
-                times.append(time.monotonic() - start)
-                lines.append(line)
-    return times, lines
+    return helpers.stream_times(base_url, body, key, timeout)
+
+
+def streamed(base_url: str, body: dict, key: str = KEY, timeout: float = 300) -> dict:
+    return helpers.streamed(base_url, body, key, timeout)
 
 
 @dataclass

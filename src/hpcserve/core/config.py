@@ -163,6 +163,9 @@ class ServeSpec(Strict):
                              "capacity), or round_robin")
     router_workers: int | None = Field(None, ge=1, le=64, description="processes serving the endpoint's port "
                                        "(one core each); default: a quarter of this machine's cores, 1 to 8")
+    migrations: int = Field(2, ge=0, le=16, description="times a stream in flight may continue on another "
+                            "replica, from the tokens already sent, when its replica fails or is drained (its job "
+                            "ends, a scale-down, `down --member`); 0: a stream dies with its replica")
     hold_s: float = Field(60.0, ge=0, description="while no replica can take a request (none in the pool yet, "
                           "or the only one being replaced), the endpoint holds new requests this long and "
                           "sends them on as soon as one joins; after that they get 503 with Retry-After. "

@@ -2,8 +2,9 @@
 
     members    launch, watch while they start (deployment.watch), join the pool when they serve
     pool       probe each replica, leave after failed probes, load-aware rotation (endpoint.pool)
-    policies   self-healing (replace the lost), autoscale (queue), walltime handover (time limit),
-               each a class of its own with one step per round
+    policies   self-healing (replace the lost), autoscale (queue), walltime handover (time limit), the
+               data plane's migrations written down, `down --member` carried out: each a class of its
+               own with one step per round
 
 Every decision and its reason goes to state.json (`hpcserve status` shows them). The decisions
 themselves are pure functions in endpoint/decisions.py; the process around this is endpoint/process.py.
@@ -29,8 +30,11 @@ from hpcserve.deployment.runs import Launcher, Runs, expected_start
 from hpcserve.deployment.watch import StartWatch
 from hpcserve.endpoint.autoscale import Autoscaler
 from hpcserve.endpoint.decisions import leave_reason, replace_failed_launch, served_during
+from hpcserve.endpoint.figures import control_figures
 from hpcserve.endpoint.handover import Handover
 from hpcserve.endpoint.healing import SelfHealing
+from hpcserve.endpoint.member_requests import MemberRequests
+from hpcserve.endpoint.migration_notes import MigrationNotes
 from hpcserve.endpoint.members import (
     Member,
     free_slot,
@@ -40,7 +44,7 @@ from hpcserve.endpoint.members import (
     replica_urls,
 )
 from hpcserve.endpoint.pool import ROTATION_S, Pool
-from hpcserve.endpoint.router import Router
+from hpcserve.endpoint.router import Router, RouterError
 from hpcserve.slurm.parse import WillRun
 from hpcserve.slurm.states import JobInfo
 
@@ -51,7 +55,6 @@ DRAIN_TIMEOUT_S = 120.0  # a drained replica is stopped after this even if reque
 FORWARDED_STAGES = (Stage.RAY, Stage.HEALTH, Stage.ENGINE)  # the first member's stages appear in the endpoint's timeline
 DECISIONS_KEPT = 100
 ROUNDS_KEPT = 300  # round durations kept for the round-time figures in state.json (five minutes)
-RECENT_ROUNDS = 20  # the last rounds' durations, in state.json as they are
 
 
 class MemberFailed(StageError):
@@ -70,7 +73,7 @@ class Controller:
         self.lock = threading.RLock()
         self.pool = Pool(router, api_key, cfg.model.name, TICK_S, self.serving_backends)
         self.autoscaler = Autoscaler(cfg.autoscale)
-        self.policies = [SelfHealing(), self.autoscaler, Handover(cfg)]
+        self.policies = [SelfHealing(), self.autoscaler, Handover(cfg), MigrationNotes(), MemberRequests(run_dir)]
         self.decisions: list[Decision] = []
         self.failed_launches = 0  # members in a row that never became ready
         self.forwarded = 0
@@ -131,9 +134,14 @@ class Controller:
 
     def drain_all(self, backends: list[tuple[str, str]]) -> None:
         """No new requests to these backends (one router change: a walltime handover may drain dozens
-        in one round); each member stops once nothing runs on it (no request cut)."""
+        in one round), their open streams moved to the others (endpoint/streams.py); each member stops
+        once nothing runs on it (no request cut)."""
         with self.lock:
             self.leave(backends)
+            try:
+                self.router.hand_over([url for url, _ in backends])
+            except RouterError as exc:  # its streams finish where they are: the drain still waits for them
+                self.decide("error", f"hand over: {exc}"[:400])
             drained = []
             for url, why in backends:
                 member = next(m for m in self.members if url in m.backends)
@@ -386,22 +394,3 @@ class Controller:
                                                                                  self.runs.slurm_queries())},
                                autoscale=self.autoscaler.last,
                                decisions=[d.to_dict() for d in self.decisions[-20:]])
-
-
-
-def control_figures(round_s: list[float], step_s: list[float], slurm_queries: int | None) -> dict:
-    """The control plane's own figures for state.json: round and rotation-step times (ms), the last
-    rounds as they were, and the Slurm queries made."""
-    return {**percentiles_ms("round", round_s), **percentiles_ms("step", step_s),
-            "round_ms_recent": [round(1000 * s, 2) for s in round_s[-RECENT_ROUNDS:]],
-            "slurm_queries": slurm_queries}
-
-
-def percentiles_ms(name: str, durations: list[float]) -> dict:
-    ordered = sorted(durations)
-
-    def at(q: float) -> float | None:
-        return round(1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2) if ordered else None
-
-    return {f"{name}s_kept": len(ordered), f"{name}_ms_p50": at(0.5), f"{name}_ms_p99": at(0.99),
-            f"{name}_ms_max": at(1.0)}

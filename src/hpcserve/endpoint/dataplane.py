@@ -13,14 +13,14 @@ or wrong key gets 401 with an OpenAI-style JSON body that says where the key is 
 GET /health alone is open and answers 200 from here: it says that this process lives and nothing else
 (no replica, no count), reaches no replica and changes nothing.
 Admin (the Unix socket S: mode 0600 in an owner-only folder, and the peer's uid checked): only the user
-who started the endpoint can change what it serves. Never on the client port (404 there).
-    GET /backends      the backends, their settings, requests in flight through here, failures, held requests
-    PUT /backends      the whole desired set [{url, capacity, saturated, kv_tokens}] (idempotent)
-    GET /metrics       this process's Prometheus metrics
+who started the endpoint can change what it serves. Never on the client port (404 there). Its routes:
+endpoint/plane_admin.py.
 Failures. A connection refused before the request was sent goes to another backend (at most --tries
 attempts) and keeps that backend out for --failed-s; a connection dropped after it was sent (the engine
-may have it) is sent again at most --resends times. Nothing is retried once the client got a byte. An
-engine's 5xx is passed on and changes nothing else. A client that leaves closes the engine's connection
+may have it) is sent again at most --resends times. Once the client got a byte, a stream whose replica
+fails (or is drained) continues on another replica from the tokens already sent, at most --migrations
+times (endpoint/streams.py); nothing else is retried then. An engine's 5xx is passed on and changes
+nothing else. A client that leaves closes the engine's connection
 at once, before the first chunk too (vLLM then aborts the request).
 While no backend can take a request (the pool empty during a handover, the one replica being replaced),
 requests are held up to --hold-s and sent on as soon as one is added; then 503 JSON with Retry-After.
@@ -35,11 +35,11 @@ other what they route where; a supervisor serves the admin socket for all of the
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import socket
 import sys
 import time
+from collections import deque
 from pathlib import Path
 
 import aiohttp
@@ -51,18 +51,17 @@ from hpcserve.core.errors import HpcserveError
 from hpcserve.core.keys import KeyCheck, read_key_file
 from hpcserve.core.statuses import Routing
 from hpcserve.endpoint import wire
-from hpcserve.endpoint.balance import Affinity, Backend, BackendSpec, Pool, choose
+from hpcserve.endpoint.balance import Affinity, Backend, Pool, choose
 from hpcserve.endpoint.kv_feed import Feeds
-from hpcserve.endpoint.plane_metrics import CLIENT_CLOSED, Collector, Stats
-from hpcserve.endpoint.plane_server import (
-    ClientServer,
-    bind_admin_socket,
-    client_sockets,
-    metrics_response,
-    owner_only,
-)
+from hpcserve.endpoint.migration import Request as Migratable
+from hpcserve.endpoint.migration import prepare
+from hpcserve.endpoint.plane_admin import admin_app
+from hpcserve.endpoint.plane_metrics import CLIENT_CLOSED, Stats
+from hpcserve.endpoint.plane_server import ClientServer, bind_admin_socket, client_sockets
 from hpcserve.endpoint.plane_settings import Settings, parse_args
+from hpcserve.endpoint.prefix_index import request_json
 from hpcserve.endpoint.prompt_tokens import PromptTokenizer
+from hpcserve.endpoint.streams import Lease, Migration, Stream
 from hpcserve.endpoint.wire import PROCESS_TITLE
 from hpcserve.endpoint.workers import supervise
 
@@ -70,6 +69,7 @@ from hpcserve.endpoint.workers import supervise
 # race of a connection closed under them.
 UPSTREAM_KEEPALIVE_S = 4.0
 URL_CACHE_SIZE = 4096
+MIGRATION_LOG = 1000  # the last migrations kept for GET /migrations
 
 
 class Refusal(Exception):
@@ -106,6 +106,7 @@ class DataPlane:
         self.session: aiohttp.ClientSession | None = None
         self.prefix = settings.policy is Routing.PREFIX
         self.urls: dict[tuple[str, str], URL] = {}  # (backend, path) -> parsed URL: a few paths are most requests
+        self.migration_log: deque[Migration] = deque(maxlen=MIGRATION_LOG)
 
     async def open(self) -> None:
         connector = aiohttp.TCPConnector(limit=self.settings.max_connections, limit_per_host=0,
@@ -155,10 +156,16 @@ class DataPlane:
             raise Refusal(400, wire.bad_request(f"the request target must be a path, not {target[:100]!r}"), True)
         body = await self.read_body(request)
         headers = wire.forwarded_headers(request.headers.items())
+        migrates = self.settings.migrations > 0 and request.method == "POST"
+        data = request_json(body) if body and (self.prefix or migrates) else None
         affinity = None
         if self.prefix:  # prompts are tokenized only while some engine's KV events are followed
-            affinity = wire.request_affinity(request.headers, body, self.tokenizer if self.pool.exact else None)
-        return await self.forward(request, target, body, headers, affinity)
+            affinity = wire.request_affinity(request.headers, data, self.tokenizer if self.pool.exact else None)
+        migratable = None
+        if migrates and data is not None:  # a stream that may continue elsewhere asks for its token ids
+            prepared = prepare(target, body, data)
+            body, migratable = prepared.body, prepared.request
+        return await self.forward(request, target, body, headers, affinity, migratable)
 
     async def read_body(self, request: web.BaseRequest) -> bytes | None:
         if not request.body_exists:
@@ -179,7 +186,7 @@ class DataPlane:
             raise Refusal(413, wire.too_large(limit), close=True) from None
 
     async def forward(self, request: web.BaseRequest, target: str, body: bytes | None, headers: dict[str, str],
-                      affinity: Affinity | None) -> web.StreamResponse:
+                      affinity: Affinity | None, migratable: Migratable | None = None) -> web.StreamResponse:
         tried: tuple[Backend, ...] = ()
         hold_until = None
         resent = 0
@@ -193,8 +200,9 @@ class DataPlane:
             tried += (backend,)
             backend.in_flight += 1
             backend.requests += 1
+            lease = Lease(backend)  # a stream that moves takes it along
             try:
-                return await self.relay(request, backend, target, body, headers)
+                return await self.relay(request, lease, target, body, headers, migratable)
             except AttemptFailed as failed:
                 decision = wire.after_failure(failed.failure, len(tried), self.settings.tries, resent,
                                               self.settings.resends)
@@ -208,7 +216,7 @@ class DataPlane:
                     resent += 1
                     self.stats.resends += 1
             finally:
-                self.pool.release(backend)
+                self.pool.release(lease.backend)
 
     def gave_up(self, failed: AttemptFailed) -> Refusal:
         if failed.failure is wire.Failure.TIMEOUT:
@@ -238,13 +246,14 @@ class DataPlane:
         finally:
             self.stats.held -= 1
 
-    async def relay(self, request: web.BaseRequest, backend: Backend, target: str, body: bytes | None,
-                    headers: dict[str, str]) -> web.StreamResponse:
-        """One attempt. AttemptFailed while nothing has gone to the client; after that an error ends the
-        client's connection (it sees the response cut: an engine that died mid-stream). Whatever ends the
+    async def relay(self, request: web.BaseRequest, lease: Lease, target: str, body: bytes | None,
+                    headers: dict[str, str], migratable: Migratable | None = None) -> web.StreamResponse:
+        """One attempt. AttemptFailed while nothing has gone to the client; after that a stream that may
+        migrate continues elsewhere (streams.Stream), and an error otherwise ends the client's connection
+        (it sees the response cut: an engine that died mid-stream). Whatever ends the
         attempt early, the client leaving included (a cancellation), closes the engine's connection:
         vLLM aborts a request whose connection closed, and keeps generating one whose did not."""
-        upstream = None
+        backend, upstream = lease.backend, None
         try:  # nothing has reached the client yet: a failure here may be tried on another backend
             async with asyncio.timeout(self.settings.first_byte_timeout_s):
                 upstream = await self.session.request(request.method, self.upstream_url(backend.url, target),
@@ -263,6 +272,12 @@ class DataPlane:
         if whole:
             upstream.release()
             return web.Response(status=upstream.status, body=first, headers=out_headers)
+        if migratable is not None and upstream.status == 200:
+            response = web.StreamResponse(status=upstream.status, headers=out_headers)
+            await response.prepare(request)
+            await Stream(self, response, lease, migratable, headers).run(upstream, first)
+            await response.write_eof()
+            return response
         done = False
         try:
             response = web.StreamResponse(status=upstream.status, headers=out_headers)
@@ -300,65 +315,12 @@ class DataPlane:
             url = self.urls[(backend, target)] = URL(backend + target, encoded=True)
         return url
 
-    # -------------------------------------------------------------- admin
-
-    def backends_json(self) -> dict:
-        now, limits = time.monotonic(), self.pool.index.limits
-        return {"policy": str(self.settings.policy), "hold_s": self.settings.hold_s, "held": self.stats.held,
-                "workers": 1,
-                "backends": [{**BackendSpec(b.url, b.capacity, b.saturated).to_json(), "in_flight": b.in_flight,
-                              "failed": b.failed_until > now, "requests": b.requests, "failures": b.failures,
-                              "index_blocks": len(self.pool.index.held.get(b.url) or ()),
-                              "index_limit": limits.get(b.url), **self.kv_events_json(b.url)}
-                             for b in self.pool.active],
-                "retired": [{"url": b.url, "in_flight": b.in_flight} for b in self.pool.retired.values()]}
-
-    def kv_events_json(self, url: str) -> dict:
-        """Whether url's KV events are followed (live), its engine publishes none (absent), or they are not
-        asked for (off: no tokenizer, or another policy); the blocks they say it holds."""
-        exact = self.pool.exact.get(url)
-        if exact is not None:
-            return {"kv_events": "live", "exact_blocks": exact.blocks(), "exact_complete": exact.complete}
-        if self.feeds is None:
-            return {"kv_events": "off"}
-        return {"kv_events": "absent" if url in self.feeds.stats.absent else "down"}
-
-    def refresh_stats(self) -> Stats:
-        self.stats.index_blocks = self.pool.index.entries()
-        if self.feeds is not None:
-            feed = self.feeds.stats
-            self.stats.kv_events, self.stats.kv_event_gaps = feed.events, feed.gaps
-            self.stats.kv_feeds_live = len(self.pool.exact)
-        return self.stats
-
-    def stats_json(self) -> dict:
-        """What a supervisor merges over its workers (GET /stats on a worker's own admin socket)."""
-        return {"stats": self.refresh_stats().to_json(), "backends": self.backends_json()}
-
-    async def get_backends(self, _request: web.Request) -> web.Response:
-        return web.json_response(self.backends_json())
-
-    async def put_backends(self, request: web.Request) -> web.Response:
-        try:
-            data = await request.json()
-            specs = [BackendSpec.from_json(item) for item in data["backends"]]
-            self.pool.update(specs)
-        except (ValueError, KeyError, TypeError) as exc:
-            return web.json_response({"error": f"{type(exc).__name__}: {exc}"}, status=400)
-        if self.feeds is not None:
-            self.feeds.sync()
-        self.changed.set()  # held requests look again (a backend may have joined or recovered)
-        self.changed = asyncio.Event()
-        return web.json_response(self.backends_json())
-
-    async def get_metrics(self, _request: web.Request) -> web.Response:
-        return metrics_response(Collector(self.refresh_stats(), self.backends_json()["backends"]))
-
-    async def get_stats(self, _request: web.Request) -> web.Response:
-        return web.json_response(self.stats_json())
-
-    async def get_health(self, _request: web.Request) -> web.Response:
-        return web.json_response({"pid": os.getpid(), "port": self.settings.port})
+    def log_migration(self, migration: Migration) -> None:
+        """A stream moved (or could not): kept for GET /migrations (the controller's decisions) and logged."""
+        self.migration_log.append(migration)
+        where = f"to {migration.to}" if migration.to else f"not moved: {migration.reason}"
+        print(f"{PROCESS_TITLE}: migration ({migration.cause}) of a {migration.kind} stream from {migration.source} "
+              f"after {migration.tokens} token(s): {where}", flush=True)
 
 
 def attempt_failed(exc: BaseException) -> AttemptFailed:
@@ -371,14 +333,6 @@ def attempt_failed(exc: BaseException) -> AttemptFailed:
     if isinstance(exc, aiohttp.ClientError):  # disconnected, reset, a payload cut, a malformed answer
         return AttemptFailed(wire.Failure.DISCONNECT, detail)
     raise exc
-
-
-def admin_app(plane: DataPlane) -> web.Application:
-    app = web.Application(middlewares=[owner_only], client_max_size=16 * 2**20)
-    app.add_routes([web.get("/backends", plane.get_backends), web.put("/backends", plane.put_backends),
-                    web.get("/metrics", plane.get_metrics), web.get("/health", plane.get_health),
-                    web.get("/stats", plane.get_stats)])
-    return app
 
 
 async def serve(settings: Settings, key: str | None, client_sock: socket.socket, admin_sock: socket.socket,

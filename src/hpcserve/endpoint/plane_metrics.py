@@ -19,6 +19,8 @@ COUNTERS = (("holds", "Requests held while no backend could take them"),
             ("broken_streams", "Responses cut after they began (the engine or client went away)"),
             ("malformed", "Requests refused as malformed HTTP"),
             ("refused_connections", "Connections refused above the cap"),
+            ("migrations", "Streams continued on another replica after theirs failed or was drained"),
+            ("migrations_refused", "Streams that could not be continued elsewhere (cut, or finished where they were)"),
             ("kv_events", "KV-cache events received from the engines (each worker follows every engine)"),
             ("kv_event_gaps", "Breaks in an engine's KV events (batches lost): that replica's exact index began again"))
 NAMES = {"malformed": "malformed_requests"}
@@ -38,6 +40,8 @@ class Stats:
     malformed: int = 0
     refused_connections: int = 0
     index_blocks: int = 0  # prefix blocks the routing index holds (set when read)
+    migrations: int = 0
+    migrations_refused: int = 0
     kv_events: int = 0  # set when read, from the feeds (kv_feed)
     kv_event_gaps: int = 0
     kv_feeds_live: int = 0

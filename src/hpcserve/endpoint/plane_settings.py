@@ -34,6 +34,7 @@ class Settings:
     first_byte_timeout_s: float = 1800.0
     read_timeout_s: float = 300.0  # a stream silent this long between chunks is cut
     grace_s: float = 5.0  # at SIGTERM: requests in flight may finish this long
+    migrations: int = 2  # times a stream may continue on another replica (endpoint/streams.py); 0: never
     workers: int = 1
     tokenizer: Path | None = None  # the model folder: prompts as token ids, to match the engines' KV events
     chat_template: Path | None = None  # the engines' --chat-template, where it replaces the model's
@@ -62,6 +63,8 @@ def parse_args(argv: list[str], description: str = "") -> Settings:
     parser.add_argument("--first-byte-timeout-s", type=float, default=d.first_byte_timeout_s)
     parser.add_argument("--read-timeout-s", type=float, default=d.read_timeout_s,
                         help="a stream silent this long between two chunks is cut")
+    parser.add_argument("--migrations", type=int, default=d.migrations,
+                        help="times a stream may continue on another replica when its own fails or is drained (0: never)")
     parser.add_argument("--workers", type=int, default=d.workers, help="processes serving the port (SO_REUSEPORT)")
     parser.add_argument("--tokenizer", type=Path, help="the model folder (its tokenizer.json): the prefix policy "
                         "then routes by the engines' KV events too (engine/kv_events.py)")
@@ -73,6 +76,8 @@ def parse_args(argv: list[str], description: str = "") -> Settings:
     if min(args.connect_timeout_s, args.first_byte_timeout_s, args.read_timeout_s) <= 0 or args.max_buffer_mb < 0:
         parser.error("--connect-timeout-s, --first-byte-timeout-s and --read-timeout-s must be > 0, "
                      "--max-buffer-mb >= 0")
+    if args.migrations < 0:
+        parser.error("--migrations must be >= 0")
     if not 1 <= args.workers <= MAX_WORKERS:
         parser.error(f"--workers must be from 1 to {MAX_WORKERS}")
     return Settings(args.host, args.port, args.key_file, args.admin_socket.absolute(), Routing(args.policy),
@@ -81,4 +86,5 @@ def parse_args(argv: list[str], description: str = "") -> Settings:
                     max_connections=connection_cap(args.max_connections), header_timeout_s=args.header_timeout_s,
                     body_timeout_s=args.body_timeout_s, connect_timeout_s=args.connect_timeout_s,
                     first_byte_timeout_s=args.first_byte_timeout_s, read_timeout_s=args.read_timeout_s,
-                    workers=args.workers, tokenizer=args.tokenizer, chat_template=args.chat_template)
+                    workers=args.workers, tokenizer=args.tokenizer, chat_template=args.chat_template,
+                    migrations=args.migrations)

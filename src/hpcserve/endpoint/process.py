@@ -112,10 +112,15 @@ def teardown(ctl: Controller) -> None:
     ctl.save()
 
 
+def dataplane_options(cfg) -> list[str]:
+    """The data plane's flags from the config: its migrations, and --tokenizer (with the engines'
+    --chat-template), so that it reads prompts as the engines' token ids and routes by their KV events;
+    no tokenizer where the model folder is not readable here (a hub id, or weights only on the compute
+    nodes: it routes by the prompts' text then)."""
+    return ["--migrations", str(cfg.serve.migrations)] + tokenizer_options(cfg)
+
+
 def tokenizer_options(cfg) -> list[str]:
-    """The data plane's --tokenizer (and the engines' --chat-template), so that it reads prompts as the
-    engines' token ids and routes by their KV events; none where the model folder is not readable here
-    (a hub id, or weights only on the compute nodes: it routes by the prompts' text then)."""
     if not (cfg.serve.router and routes_by_cache(cfg)):
         return []
     folder = Path(resolve_model_path(cfg))
@@ -134,7 +139,7 @@ def run(run_dir: Path, runs: Launcher | None = None) -> int:
     api_key = read_api_key(run_dir)  # the run folder's copy, written by `up` before this process started
     key_file = write_secret(paths.router_key, api_key) if api_key else None  # never on a command line
     router = Router(cfg.serve.host, cfg.serve.port, key_file, paths.router_log, model=cfg.model.name,
-                    admin_socket=paths.router_admin, hold_s=cfg.serve.hold_s, options=tokenizer_options(cfg),
+                    admin_socket=paths.router_admin, hold_s=cfg.serve.hold_s, options=dataplane_options(cfg),
                     policy=cfg.serve.routing, workers=cfg.serve.router_workers or default_workers())
     ctl = Controller(cfg, run_dir, router, api_key, runs)
     started = {} if adopting else {"job_started": time.time()}  # where up's time went stays up's

@@ -237,13 +237,16 @@ class Router:
                 self._put()
         return refused
 
-    def remove(self, url: str, drain_s: float = 30.0) -> bool:
-        """Take a backend out: no new requests go there at once; then wait up to drain_s for the requests
-        it still runs to finish (the data plane's own count, then the engine's /metrics). True when it
-        drained, False when drain_s ran out or it no longer answers (a dead engine has nothing left to
-        drain). drain_s=0: no wait and no engine call; True when nothing runs there through the endpoint."""
+    def remove(self, url: str, drain_s: float = 30.0, hand_over: bool = False) -> bool:
+        """Take a backend out: no new requests go there at once (hand_over: its open streams move to the
+        others now); then wait up to drain_s for the requests it still runs to finish (the data plane's own
+        count, then the engine's /metrics). True when it drained, False when drain_s ran out or it no longer
+        answers (a dead engine has nothing left to drain). drain_s=0: no wait and no engine call; True when
+        nothing runs there through the endpoint."""
         url = url.rstrip("/")
         self.apply(remove=[url])
+        if hand_over:
+            self.hand_over([url])
         deadline = time.monotonic() + drain_s
         while True:
             here = self.in_flight(url)
@@ -273,6 +276,18 @@ class Router:
             pass  # the data plane is being restarted: the engine's figures still say whether it drained
         load = self.engine_load(url)
         return load is not None and not is_drained(load)
+
+    def hand_over(self, urls: Iterable[str]) -> list[str]:
+        """These backends are drained: the data plane moves their open streams to other backends now (what
+        cannot move finishes where it is). Returns those it knew."""
+        urls = _urls(urls)
+        if not urls:
+            return []
+        return self._admin_call("POST", "/handover", json={"urls": urls}).json().get("handing_over", [])
+
+    def migrations(self, after: float) -> list[dict]:
+        """Streams the data plane moved to another replica (or could not) since `after` (epoch seconds)."""
+        return self._admin_call("GET", f"/migrations?after={after!r}").json().get("migrations", [])
 
     def set_saturated(self, urls: Iterable[str]) -> None:
         """The backends whose engine queues requests (or whose KV cache is full) now: the data plane skips

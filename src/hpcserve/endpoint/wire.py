@@ -105,18 +105,18 @@ def returned_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]
 
 # ------------------------------------------------------------------ affinity (the prefix policy)
 
-def request_affinity(headers: Mapping[str, str], body: bytes | None, tokenizer=None) -> Affinity:
+def request_affinity(headers: Mapping[str, str], body: bytes | dict | None, tokenizer=None) -> Affinity:
     """What the prefix policy routes on: X-Session-ID or X-User-ID when the client names one, the parsed
     prompt's blocks (prefix_index.prompt_blocks; the blocks are recorded either way, so that a session's
     replica is known to hold its conversation), and its token ids when a tokenizer is given
-    (prompt_tokens.PromptTokenizer: while some engine's KV events are followed)."""
+    (prompt_tokens.PromptTokenizer: while some engine's KV events are followed). body: as bytes or parsed."""
     session = None
     for name in KEY_HEADERS:
         value = headers.get(name)
         if value:
             session = value.encode("utf-8", "surrogateescape")
             break
-    data = request_json(body)
+    data = body if isinstance(body, dict) or body is None else request_json(body)
     tokens = tokenizer.tokens(data) if tokenizer is not None and data is not None else None
     return Affinity(session, prompt_blocks(prompt_text(data)), tokens)
 

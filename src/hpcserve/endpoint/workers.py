@@ -178,6 +178,7 @@ class Supervisor:
                                                timeout=aiohttp.ClientTimeout(total=WORKER_CALL_S)) for path in self.paths]
         app = web.Application(middlewares=[owner_only], client_max_size=16 * 2**20)
         app.add_routes([web.get("/backends", self.get_backends), web.put("/backends", self.put_backends),
+                        web.post("/handover", self.post_handover), web.get("/migrations", self.get_migrations),
                         web.get("/metrics", self.get_metrics), web.get("/health", self.get_health)])
         runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=1.0)
         await runner.setup()
@@ -265,6 +266,17 @@ class Supervisor:
             return web.json_response({"error": f"{len(failed)} worker(s) refused the backends: {failed[0]}"},
                                      status=502)
         return web.json_response(merged_json([data for _, data in answers]))
+
+    async def post_handover(self, request: web.Request) -> web.Response:
+        answers = await self.each("POST", "/handover", await request.read())
+        marked = sorted({url for status, data in answers if status == 200 for url in data.get("handing_over", [])})
+        return web.json_response({"handing_over": marked})
+
+    async def get_migrations(self, request: web.Request) -> web.Response:
+        answers = await self.each("GET", f"/migrations?after={request.query.get('after', '0')}")
+        merged = sorted((m for status, data in answers if status == 200 for m in data.get("migrations", [])),
+                        key=lambda m: m["time"])
+        return web.json_response({"migrations": merged})
 
     async def get_backends(self, _request: web.Request) -> web.Response:
         answers = await self.each("GET", "/backends")

@@ -1,0 +1,118 @@
+"""The data plane's admin API, on its owner-only Unix socket (dataplane.py says who may use it):
+
+    GET  /backends          the backends, their settings, requests in flight through here, failures, held
+                            requests, and whether each engine's KV events are followed
+    PUT  /backends          the whole desired set [{url, capacity, saturated, kv_tokens}] (idempotent)
+    POST /handover          {"urls": [...]}: these backends are drained; their open streams move to others
+                            now (endpoint/streams.py), what cannot move finishes where it is
+    GET  /migrations?after=T  streams moved (or not) since T (epoch seconds): the controller's decisions
+    GET  /metrics           this process's Prometheus metrics
+    GET  /stats, /health    what a supervisor of several workers merges; who serves
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+from aiohttp import web
+
+from hpcserve.endpoint.balance import BackendSpec
+from hpcserve.endpoint.plane_metrics import Collector, Stats
+from hpcserve.endpoint.plane_server import metrics_response, owner_only
+
+
+class Admin:
+    """The admin routes of one data plane process (a dataplane.DataPlane: its pool, feeds, stats, log)."""
+
+    def __init__(self, plane):
+        self.plane = plane
+
+    def backends_json(self) -> dict:
+        plane = self.plane
+        now, limits = time.monotonic(), plane.pool.index.limits
+        return {"policy": str(plane.settings.policy), "hold_s": plane.settings.hold_s, "held": plane.stats.held,
+                "workers": 1,
+                "backends": [{**BackendSpec(b.url, b.capacity, b.saturated).to_json(), "in_flight": b.in_flight,
+                              "failed": b.failed_until > now, "requests": b.requests, "failures": b.failures,
+                              "index_blocks": len(plane.pool.index.held.get(b.url) or ()),
+                              "index_limit": limits.get(b.url), **self.kv_events_json(b.url)}
+                             for b in plane.pool.active],
+                "retired": [{"url": b.url, "in_flight": b.in_flight, "handing_over": b.handing_over}
+                            for b in plane.pool.retired.values()]}
+
+    def kv_events_json(self, url: str) -> dict:
+        """Whether url's KV events are followed (live), its engine publishes none (absent), or they are not
+        asked for (off: no tokenizer, or another policy); the blocks they say it holds."""
+        exact, feeds = self.plane.pool.exact.get(url), self.plane.feeds
+        if exact is not None:
+            return {"kv_events": "live", "exact_blocks": exact.blocks(), "exact_complete": exact.complete}
+        if feeds is None:
+            return {"kv_events": "off"}
+        return {"kv_events": "absent" if url in feeds.stats.absent else "down"}
+
+    def refresh_stats(self) -> Stats:
+        plane = self.plane
+        plane.stats.index_blocks = plane.pool.index.entries()
+        if plane.feeds is not None:
+            plane.stats.kv_events, plane.stats.kv_event_gaps = plane.feeds.stats.events, plane.feeds.stats.gaps
+            plane.stats.kv_feeds_live = len(plane.pool.exact)
+        return plane.stats
+
+    async def get_backends(self, _request: web.Request) -> web.Response:
+        return web.json_response(self.backends_json())
+
+    async def put_backends(self, request: web.Request) -> web.Response:
+        plane = self.plane
+        try:
+            data = await request.json()
+            specs = [BackendSpec.from_json(item) for item in data["backends"]]
+            plane.pool.update(specs)
+        except (ValueError, KeyError, TypeError) as exc:
+            return web.json_response({"error": f"{type(exc).__name__}: {exc}"}, status=400)
+        if plane.feeds is not None:
+            plane.feeds.sync()
+        plane.changed.set()  # held requests look again (a backend may have joined or recovered)
+        plane.changed = asyncio.Event()
+        return web.json_response(self.backends_json())
+
+    async def post_handover(self, request: web.Request) -> web.Response:
+        try:
+            urls = [str(url).rstrip("/") for url in (await request.json())["urls"]]
+        except (ValueError, KeyError, TypeError) as exc:
+            return web.json_response({"error": f"{type(exc).__name__}: {exc}"}, status=400)
+        pool, marked = self.plane.pool, []
+        for url in urls:
+            backend = pool.by_url.get(url) or pool.retired.get(url)
+            if backend is not None:
+                backend.handing_over = True
+                marked.append(url)
+        return web.json_response({"handing_over": marked})
+
+    async def get_migrations(self, request: web.Request) -> web.Response:
+        try:
+            after = float(request.query.get("after", "0"))
+        except ValueError:
+            return web.json_response({"error": "after must be a number (epoch seconds)"}, status=400)
+        return web.json_response({"migrations": [m.to_json() for m in self.plane.migration_log if m.time > after]})
+
+    async def get_metrics(self, _request: web.Request) -> web.Response:
+        return metrics_response(Collector(self.refresh_stats(), self.backends_json()["backends"]))
+
+    async def get_stats(self, _request: web.Request) -> web.Response:
+        """What a supervisor merges over its workers."""
+        return web.json_response({"stats": self.refresh_stats().to_json(), "backends": self.backends_json()})
+
+    async def get_health(self, _request: web.Request) -> web.Response:
+        return web.json_response({"pid": os.getpid(), "port": self.plane.settings.port})
+
+
+def admin_app(plane) -> web.Application:
+    admin = Admin(plane)
+    app = web.Application(middlewares=[owner_only], client_max_size=16 * 2**20)
+    app.add_routes([web.get("/backends", admin.get_backends), web.put("/backends", admin.put_backends),
+                    web.post("/handover", admin.post_handover), web.get("/migrations", admin.get_migrations),
+                    web.get("/metrics", admin.get_metrics), web.get("/health", admin.get_health),
+                    web.get("/stats", admin.get_stats)])
+    return app
