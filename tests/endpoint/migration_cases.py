@@ -1,30 +1,20 @@
-"""endpoint/migration.py against a real vLLM engine (the builtin tiny model on CPU, VLLM_API_KEY set): a
-greedy stream (temperature 0, ignore_eos, 40 tokens) cut after each of its events, continued with the
-module's continuation on the engine, must give the client exactly the uninterrupted stream: the same
-text, token ids, finish, usage, id, for completions and chat (translated back from completions), with
-several tokens per event (stream_interval), and with a stop string that can run across the cut.
-Slow: the engine loads once for the module (~30-60 s), then about 500 requests.
-Run under the heavy lock: flock /tmp/hpcserve-heavy.lock .venv/bin/python -m pytest -q THIS_FILE"""
+"""What a client sees when a greedy stream is cut after any of its events and continued with
+endpoint/migration.py and endpoint/continuation.py on a real vLLM engine (tests/endpoint/test_router_vllm.py
+runs it on its engines): the same text, token ids, finish, usage and id as the uninterrupted stream, for
+completions and chat (translated back from completions), with several tokens per event (stream_interval),
+and with a stop string that can run across the cut."""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import httpx
-import pytest
-from helpers import SMALL_KV_CACHE, free_port, own_tmp_env
+from router_fixtures import KEY
 
 from hpcserve.endpoint import continuation as c
 from hpcserve.endpoint import migration as m
 
-pytestmark = pytest.mark.slow
 MODEL = "tiny"
-KEY = "migration-test-key"
 HEADERS = {"Authorization": f"Bearer {KEY}"}
 ROUTE = {kind: route for route, kind in m.ROUTES.items()}
 COMPLETION = {"model": MODEL, "prompt": "Hello, my name is", "max_tokens": 40, "temperature": 0,
@@ -41,55 +31,6 @@ CASES = {  # name: (kind, the client's body)
     "chat, ids and usage asked": (m.Kind.CHAT, {**CHAT, **ASKED}),
     "chat, 3 tokens per event": (m.Kind.CHAT, {**CHAT, "stream_interval": 3, "return_token_ids": True}),
 }
-
-
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    from hpcserve.models.tiny import tiny_model_path
-
-    directory = tmp_path_factory.mktemp("migration-vllm")
-    port = free_port()
-    argv = [sys.executable, "-m", "hpcserve.engine.vllm_cli", "serve", str(tiny_model_path()), "--served-model-name",
-            MODEL, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "512",
-            *SMALL_KV_CACHE]
-    log_path = directory / "engine.log"
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=log, env=own_tmp_env(directory, VLLM_API_KEY=KEY),
-                                start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_serving(proc, url, log_path)
-        yield url
-    finally:
-        stop_group(proc)
-
-
-def wait_serving(proc: subprocess.Popen, url: str, log_path, timeout_s: float = 400) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"engine exited {proc.returncode}: {log_path.read_text()[-2000:]}")
-        try:
-            body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
-            if httpx.post(f"{url}/v1/completions", json=body, headers=HEADERS, timeout=30).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(2)
-    raise RuntimeError(f"engine at {url} not serving after {timeout_s} s")
-
-
-def stop_group(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    except ProcessLookupError:
-        pass
 
 
 def post(url: str, path: str, body: bytes) -> bytes:
@@ -145,7 +86,8 @@ def migrated(url: str, request: m.Request, events: list[bytes], cut: int) -> tup
     return out, {"kept": cont.cut, "again": had - cont.cut, "asked": check is not None}
 
 
-def test_cut_anywhere_continues_exactly_as_the_uninterrupted_run(engine):
+def cut_anywhere(engine: str) -> list[str]:
+    """Every case cut after each event and continued on the engine; one report line a case."""
     report = []
     for name, (kind, body) in CASES.items():
         prepared = m.prepare(ROUTE[kind], json.dumps(body).encode())
@@ -176,4 +118,4 @@ def test_cut_anywhere_continues_exactly_as_the_uninterrupted_run(engine):
                       f"{len(want['ids']) or 'ids not shown'}), /detokenize asked {asked}x, tokens generated "
                       f"again at {sum(1 for a in again if a)} cuts (at most {max(again)}), stop across the cut "
                       f"{straddled}; text {want['text'][:40]!r}")
-    print("\n" + "\n".join(report))
+    return report
