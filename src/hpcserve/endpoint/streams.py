@@ -28,10 +28,11 @@ import aiohttp
 
 from hpcserve.endpoint.balance import Backend, choose
 from hpcserve.endpoint.continuation import Continuation, detokenize_body, ending, start
-from hpcserve.endpoint.migration import CannotMigrate, EventSplitter, Record, Request, is_failure, strip_ids, why_not
+from hpcserve.endpoint.migration import CannotMigrate, Record, Request, why_not
+from hpcserve.endpoint.sse import DONE, EventSplitter, has_failure, is_failure, split_events, strip_ids
 
 DETOKENIZE_TIMEOUT_S = 10.0
-DONE = b"data: [DONE]"
+DONE_MARK = b"data: [DONE]"  # the end of a stream, anywhere in a chunk
 
 
 class StreamFailed(Exception):
@@ -105,10 +106,13 @@ class Stream:
         """This upstream's events to the client until its end; StreamFailed when it fails or must go."""
         silence = self.plane.settings.read_timeout_s
         while chunk:
-            for event in self.events.feed(chunk):
-                out = self.translate(event)
-                if out:
-                    await self.response.write(out)
+            whole = self.events.feed_whole(chunk)
+            if whole and self.continuation is None and not has_failure(whole):  # most chunks: as they came
+                self.record.add(whole)
+                self.done = self.done or DONE_MARK in whole
+                await self.response.write(strip_ids(whole) if self.request.strip_ids else whole)
+            elif whole:
+                await self.pass_events(whole)
                 if self.continuation is not None and self.continuation.ended:
                     upstream.close()
                     return
@@ -123,10 +127,22 @@ class Stream:
             raise StreamFailed("broken", "the stream ended before its end")
         upstream.release()
 
+    async def pass_events(self, whole: bytes) -> None:
+        """Event by event: an error event among them, or a continuation's events to make the client's."""
+        out = []
+        try:
+            for event in split_events(whole):
+                out.append(self.translate(event))
+                if self.continuation is not None and self.continuation.ended:
+                    break
+        finally:  # what came before a failure reaches the client
+            if any(out):
+                await self.response.write(b"".join(out))
+
     def translate(self, event: bytes) -> bytes:
         if is_failure(event):  # an engine's error event: not passed on while the stream may move
             raise StreamFailed("error", event[:200].decode(errors="replace"), event)
-        if event.startswith(DONE):
+        if event.startswith(DONE_MARK):
             self.done = True
         if self.continuation is not None:
             return self.continuation.feed(event)  # CannotMigrate: the stream is cut (ConnectionError)
@@ -175,7 +191,7 @@ class Stream:
                 reason = None if len(self.tried) < self.plane.settings.tries + 1 else f"{type(exc).__name__}"
         self.refused(failed.cause, reason)
         if failed.cause == "error":  # the engine's own error, passed on as it would be without migration
-            await self.response.write(failed.event + (b"" if self.done else DONE + b"\n\n"))
+            await self.response.write(failed.event + (b"" if self.done else DONE))
             return None
         self.plane.stats.broken_streams += 1
         raise ConnectionError(f"the stream from {source.url} ended ({failed}); not continued elsewhere: {reason}")
