@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import stat
 import subprocess
 import time
@@ -24,6 +23,7 @@ from test_adopt import decisions_since, replicas_now
 from test_distributed_serving import status_of
 from test_slurm_ray import squeue_empty
 
+from hpcserve.endpoint.plane_server import socket_answers
 from hpcserve.testing.harness import wait_until
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
@@ -49,15 +49,7 @@ def served_by_a_live_process(name: str) -> bool:
     other pytest worker's engines, started beside this test), not to the deployment `down` stopped: its
     engines are gone, and a socket file they left refuses connections."""
     path = Path("/tmp") / name
-    if not path.is_socket():
-        return False
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        probe.settimeout(1.0)
-        try:
-            probe.connect(str(path))
-            return True
-        except OSError:
-            return False
+    return path.is_socket() and socket_answers(path)
 
 
 def ray_temp_folders(member_dirs: list[Path]) -> list[Path]:
