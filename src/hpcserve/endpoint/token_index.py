@@ -27,7 +27,7 @@ from hpcserve.engine.kv_events import Cleared, Removed, Stored
 
 ROOT = 0
 MAX_ENTRIES = 1 << 21  # engine blocks one replica's index keeps at most, whatever its engine publishes
-MAX_PENDING = 1 << 18  # expected blocks kept at most (expired ones are dropped first)
+MAX_PENDING = 1 << 18  # expected blocks kept at most
 
 
 def token_blocks(token_ids: list[int], block_size: int, start: int = ROOT) -> list[int]:
@@ -97,12 +97,12 @@ class TokenIndex:
     def expect(self, blocks: list[int], until: float) -> None:
         """Blocks just sent to the engine: held, as far as match() tells, until `until` or their events."""
         pending, held = self.pending, self.held
-        if len(pending) + len(blocks) > MAX_PENDING:
-            now = min(pending.values(), default=until)
-            for block in [b for b, t in pending.items() if t <= now]:
+        if len(pending) + len(blocks) > MAX_PENDING:  # the older half goes (kept in the order expected)
+            for block in list(pending)[:len(pending) // 2]:
                 del pending[block]
         for block in blocks:
             if block not in held:
+                pending.pop(block, None)
                 pending[block] = until
 
     def match(self, blocks: list[int], now: float | None = None) -> int:
