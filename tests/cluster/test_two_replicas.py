@@ -31,6 +31,7 @@ def replicas(slurm_module_env, tmp_path_factory):
     work = tmp_path_factory.mktemp("two-replicas")
     config = write_config(work / "reps.yaml", HERE / "sandbox-replicas.yaml", results_dir=str(work / "results"),
                           parallelism={"tensor": 1, "pipeline": 1, "replicas": 1},
+                          model={"max_model_len": 2048},  # room for the long stream of the last test
                           engine={"args": ["--enforce-eager", "--max-num-seqs", "8", *SMALL_KV_CACHE]},
                           replica_groups=[{"replicas": 1, "engine_args": ["--max-num-seqs", "1"]}])
     with deployed(config, NAME) as status:
@@ -126,20 +127,34 @@ def test_down_of_one_member_moves_its_stream_and_the_rest_serves(replicas):
     key = os.environ["HPCSERVE_API_KEY"]
     members = {m["group"]: m for m in status_of(NAME)["members"]}
     big, small = members[0]["backends"][0], members[1]["backends"][0]
-    body = {"model": "tiny", "prompt": "a long answer", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+    # long enough (1,500 tokens: seconds on these cores) to be under way when the member goes
+    body = {"model": "tiny", "prompt": "a long answer", "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
     reference = streamed(big, body, key)  # on the replica that stays, uninterrupted
     endpoint = status_of(NAME)["endpoint"]
-    got: dict = {}
-    readers = [threading.Thread(target=lambda i=i: got.update({i: streamed(endpoint, body, key)})) for i in range(2)]
+    got, under_way = {}, [threading.Event(), threading.Event()]
+
+    def read(i: int) -> None:
+        lines = []
+        with httpx.stream("POST", f"{endpoint}/v1/completions", json={**body, "stream": True},
+                          headers={"Authorization": f"Bearer {key}"}, timeout=300) as response:
+            for line in response.iter_lines():
+                if line:
+                    lines.append(line)
+                if len(lines) > 20:
+                    under_way[i].set()
+        got[i] = "".join(json.loads(line[5:])["choices"][0]["text"] for line in lines
+                         if line.startswith("data: {")), lines[-1]
+
+    readers = [threading.Thread(target=read, args=(i,)) for i in range(2)]
     [reader.start() for reader in readers]
-    wait_until(lambda: engine_load(httpx.get(f"{small}/metrics", headers={"Authorization": f"Bearer {key}"},
-                                             timeout=10).text).running >= 1, 60, "a stream on the small replica")
+    wait_until(lambda: all(e.is_set() for e in under_way) and engine_load(httpx.get(
+        f"{small}/metrics", headers={"Authorization": f"Bearer {key}"}, timeout=10).text).running >= 1, 60,
+        "a stream under way on the small replica")
     down = run_cli("down", NAME, "--member", members[1]["name"], timeout=300)
     assert down.returncode == 0, down.stdout + down.stderr
     [reader.join(300) for reader in readers]
-    assert all(got[i]["done"] and got[i]["text"] == reference["text"] for i in range(2)), (got, reference)
-    status = status_of(NAME)
-    assert [m["status"] for m in status["members"]] == ["serving", "gone"]
+    assert all(got[i] == (reference["text"], "data: [DONE]") for i in range(2)), (got, reference["text"][:100])
+    assert [m["status"] for m in status_of(NAME)["members"]] == ["serving", "gone"]
     wait_until(lambda: any(d["action"] == "migrate" for d in status_of(NAME)["decisions"]), 10, "the migration noted")
     actions = [(d["action"], d["reason"]) for d in status_of(NAME)["decisions"]]
     assert ("down member", f"{members[1]['name']}: drained, its streams continued elsewhere, then stopped") in actions
