@@ -188,7 +188,12 @@ def test_handover_under_load_with_a_busy_partition_fails_no_request(slurm_env, t
     drained = seen.of("drain at job end")
     assert {d["reason"].split(":")[0] for d in drained} == set(first), report
     assert all(ends - 25 <= d["time"] <= ends for d in drained), report
-    assert longest > 10, report
+    # the pool was empty from the last drain until the first successor joined: a request sent then waited
+    # that long (held), nearly; a successor's startup makes that gap 7-30 s (19-41 s seen), so it is
+    # measured here rather than assumed
+    emptied = max(d["time"] for d in drained)
+    joined = min((d["time"] for d in seen.of("join") if d["reason"].split(":")[0] not in first), default=emptied)
+    assert joined - emptied > 2 and longest >= joined - emptied - 2, report
     # Timed from Slurm's queue: the first successor was launched at once, its wait as Slurm expected it
     handed = seen.of("hand over")
     assert "sbatch --test-only" in handed[0]["reason"] and "queue 0 s" not in handed[0]["reason"], report

@@ -39,6 +39,7 @@ from test_distributed_serving import status_of
 from test_slurm_ray import squeue_empty
 
 from hpcserve.core.runstate import RunState
+from hpcserve.engine.kv_events import RELAY_PATH
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 HERE = Path(__file__).parent
@@ -207,13 +208,14 @@ def start_monitor(name: str, key: str | None):
 
 
 def engine_routes(replica: str, key: str | None) -> list[tuple[str, str]]:
-    """Every route of the replica's vLLM (its OpenAPI document, read with the key) and its mounted apps."""
+    """Every route of the replica's vLLM (its OpenAPI document, read with the key), its mounted apps, and
+    hpcserve's KV-event relay (a middleware: in no OpenAPI document)."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     spec = httpx.get(f"{replica}/openapi.json", headers=headers, timeout=30).json()
     routes = {(method.upper(), re.sub(r"{[^}]*}", "x", path)) for path, item in spec["paths"].items()
               for method in item if method in ("get", "post", "put", "delete", "patch")}
     routes -= {("GET", "/health")}  # open by design (no data): judged on its own row
-    return sorted(routes | {("GET", "/metrics"), ("GET", "/openapi.json"), ("GET", "/docs")})
+    return sorted(routes | {("GET", "/metrics"), ("GET", "/openapi.json"), ("GET", "/docs"), ("GET", RELAY_PATH)})
 
 
 def router_listeners(pids: list[int]) -> tuple[list[str], list[str]]:

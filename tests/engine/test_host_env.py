@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import psutil
 import pytest
 
 from hpcserve.engine.host import (
@@ -17,6 +18,7 @@ from hpcserve.engine.host import (
     engine_environment,
     read_job_process,
 )
+from hpcserve.testing.harness import wait_until
 
 JOB = {"PATH": "/usr/bin", "HOME": "/home/u", "VLLM_HOST_IP": "10.0.0.5", "CUDA_VISIBLE_DEVICES": "0,1",
        NODE_GPUS_ENV: "0,1"}
@@ -75,6 +77,8 @@ def test_read_job_process_of_a_real_process():
     child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE,
                              env={"PATH": os.defpath, "HPCSERVE_PROBE": "1"})
     try:
+        # Until the child has exec'd, /proc shows what it had after the fork (seen in CI: no PATH yet)
+        wait_until(lambda: psutil.Process(child.pid).environ().get("HPCSERVE_PROBE") == "1", 10, "the child's exec")
         job = read_job_process(str(child.pid))
         assert job is not None and job.env["PATH"] == os.defpath and job.env["HPCSERVE_PROBE"] == "1"
         assert job.nice == os.getpriority(os.PRIO_PROCESS, child.pid)
