@@ -32,6 +32,7 @@ import json
 from dataclasses import dataclass, field
 from enum import Enum
 
+from hpcserve.endpoint.prefix_index import request_json
 from hpcserve.endpoint.sse import split_events
 
 COMPLETIONS = "/v1/completions"
@@ -136,7 +137,7 @@ def prepare(target: str, body: bytes | None, parsed: dict | None = None) -> Prep
     kind = ROUTES.get(target)
     if kind is None or not body:
         return Prepared(body or b"", None, "not a completions or chat request")
-    data = parsed if parsed is not None else _json_object(body)
+    data = parsed if parsed is not None else request_json(body)
     if data is None:
         return Prepared(body, None, "the body is no JSON object")
     reason = request_reason(kind, data)
@@ -212,14 +213,6 @@ def _with_token_ids(body: bytes, data: dict) -> bytes:
     start = body.index(b"{") + 1
     rest = body[start:]
     return b'{"return_token_ids":true' + (b"," if rest.lstrip()[:1] != b"}" else b"") + rest
-
-
-def _json_object(body: bytes) -> dict | None:
-    try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 def _short(value) -> str:
