@@ -4,6 +4,7 @@ recorded not raised, timeouts, the run deadline, the concurrency limit, keep-ali
 from __future__ import annotations
 
 import asyncio
+import time
 import json
 import math
 import socket
@@ -139,7 +140,9 @@ def test_concurrency_limits_connections_and_they_are_kept_alive():
             return await run_load([Endpoint(url, "m", None)], inputs, LoadShape(concurrency=3), [0.0] * 12,
                                   timeout_s=30)
 
+    before = time.time()
     result = asyncio.run(go())
+    assert before <= result.started_at <= time.time()  # epoch seconds: lines the run up with other records
     assert all(o.ok for o in result.outputs) and len(result.outputs) == 12
     assert server.max_in_flight <= 3
     assert len(server.peers) <= 3  # 12 requests over at most 3 kept-alive connections

@@ -108,7 +108,7 @@ def test_first_errors_are_distinct_and_capped():
 def _result(rate: float = math.inf) -> BenchResult:
     outputs = [ok(0.1, 1.1), failed()]
     run = BenchRun(load=LoadShape(4, rate).as_dict(), summary=summarize(outputs, 1.0, {"ttft_ms": 500}),
-                   requests=[RequestRecord.of(o) for o in outputs])
+                   requests=[RequestRecord.of(o) for o in outputs], started_at=1767225600.25)
     return BenchResult(target="http://x:8000", date="2026-01-01T00:00:00+00:00", command=["hpcserve", "bench"],
                        config={"seed": 0}, endpoints=["http://x:8000"], runs=[run], gpus=2)
 

@@ -136,7 +136,7 @@ async def _run_one_load(endpoints: list[Endpoint], inputs: list[RequestInput], l
     result = await run_load(endpoints, inputs, load, offsets, timeout_s=options.timeout_s,
                             ignore_eos=options.ignore_eos, on_done=progress.request_done if progress else None)
     return BenchRun(load=load.as_dict(), summary=summarize(result.outputs, result.duration_s, options.slo),
-                    requests=[RequestRecord.of(output) for output in result.outputs])
+                    requests=[RequestRecord.of(output) for output in result.outputs], started_at=result.started_at)
 
 
 async def _with_model(endpoint: Endpoint, options: BenchOptions) -> Endpoint:

@@ -93,6 +93,7 @@ class LoadShape:
 class LoadResult:
     outputs: list[RequestOutput]
     duration_s: float
+    started_at: float  # epoch seconds: lines the run up with server logs and other clients' records
 
 
 def completion_body(model: str, request: RequestInput, ignore_eos: bool) -> dict:
@@ -203,7 +204,7 @@ async def run_load(endpoints: Sequence[Endpoint], inputs: Sequence[RequestInput]
     deadline = loop.time() + timeout_s  # loop.time() is the monotonic clock
     slots = asyncio.Semaphore(shape.concurrency) if shape.concurrency else None
     async with make_session(shape, timeout_s) as session:
-        run_start = time.perf_counter()
+        run_start, started_at = time.perf_counter(), time.time()
 
         async def one(index: int) -> RequestOutput:
             output = await _send_on_time(session, endpoints[index % len(endpoints)], inputs[index],
@@ -213,7 +214,7 @@ async def run_load(endpoints: Sequence[Endpoint], inputs: Sequence[RequestInput]
             return output
 
         outputs = await asyncio.gather(*(one(i) for i in range(len(inputs))))
-        return LoadResult(outputs=list(outputs), duration_s=time.perf_counter() - run_start)
+        return LoadResult(outputs=list(outputs), duration_s=time.perf_counter() - run_start, started_at=started_at)
 
 
 async def _send_on_time(session: aiohttp.ClientSession, endpoint: Endpoint, request: RequestInput, send_at: float,

@@ -157,6 +157,7 @@ class BenchRun:
     load: dict[str, Any]  # {"concurrency": int | None, "request_rate": float | "inf"}
     summary: RunSummary
     requests: list[RequestRecord] = field(default_factory=list)
+    started_at: float | None = None  # epoch seconds at the run's start; requests' start_s count from it
 
     @property
     def label(self) -> str:
@@ -189,7 +190,8 @@ def _json_default(value: Any) -> Any:
 
 def result_from_dict(data: dict[str, Any]) -> BenchResult:
     runs = [BenchRun(load=run["load"], summary=_summary_from_dict(run["summary"]),
-                     requests=[RequestRecord(**r) for r in run.get("requests", [])]) for run in data["runs"]]
+                     requests=[RequestRecord(**r) for r in run.get("requests", [])],
+                     started_at=run.get("started_at")) for run in data["runs"]]
     return BenchResult(target=data["target"], date=data["date"], command=data["command"], config=data["config"],
                        endpoints=data["endpoints"], runs=runs, gpus=data.get("gpus"),
                        format_version=data.get("format_version", FORMAT_VERSION))
