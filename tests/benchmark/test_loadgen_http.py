@@ -4,10 +4,10 @@ recorded not raised, timeouts, the run deadline, the concurrency limit, keep-ali
 from __future__ import annotations
 
 import asyncio
-import time
 import json
 import math
 import socket
+import time
 from contextlib import asynccontextmanager
 
 import pytest
