@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -29,6 +30,7 @@ HPCSERVE = [sys.executable, "-m", "hpcserve.cli"]
 # start (up to 7-10 s per GiB on this machine, with its memory in use: docs/testing.md). Overrides of
 # engine.args repeat it.
 SMALL_KV_CACHE = ["--kv-cache-memory-bytes", str(64 * 2**20)]
+UNDER_WAY_EVENTS = 5  # SSE events a stream has sent when a test calls it under way
 
 
 def own_tmp_env(folder: Path, **extra: str) -> dict[str, str]:
@@ -90,9 +92,11 @@ def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
     return out
 
 
-def stream_times(base_url: str, body: dict, key: str, timeout: float = 120) -> tuple[list[float], list[str]]:
+def stream_times(base_url: str, body: dict, key: str, timeout: float = 120,
+                 under_way: threading.Event | None = None) -> tuple[list[float], list[str]]:
     """POST a streamed completion (or chat, with `messages`); return each SSE data line's arrival time (s
-    since sent) and the lines."""
+    since sent) and the lines. `under_way` is set once UNDER_WAY_EVENTS lines came (the stream is running:
+    what a test waits for before it drains or kills the stream's replica)."""
     import httpx
 
     times, lines = [], []
@@ -105,13 +109,16 @@ def stream_times(base_url: str, body: dict, key: str, timeout: float = 120) -> t
             if line.startswith("data:"):
                 times.append(time.monotonic() - start)
                 lines.append(line)
+                if under_way is not None and len(lines) == UNDER_WAY_EVENTS:
+                    under_way.set()
     return times, lines
 
 
-def streamed(base_url: str, body: dict, key: str, timeout: float = 300) -> dict:
+def streamed(base_url: str, body: dict, key: str, timeout: float = 300,
+             under_way: threading.Event | None = None) -> dict:
     """A streamed completion or chat, read whole: its text, finish_reason, events, whether [DONE] came, and
     any error event (what a client of the endpoint sees)."""
-    times, lines = stream_times(base_url, body, key, timeout)
+    times, lines = stream_times(base_url, body, key, timeout, under_way)
     text, finish, errors = [], None, []
     for line in lines:
         payload = line[len("data:"):].strip()

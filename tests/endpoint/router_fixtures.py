@@ -85,8 +85,8 @@ def stream_times(base_url: str, body: dict, key: str = KEY, timeout: float = 120
     return helpers.stream_times(base_url, body, key, timeout)
 
 
-def streamed(base_url: str, body: dict, key: str = KEY, timeout: float = 300) -> dict:
-    return helpers.streamed(base_url, body, key, timeout)
+def streamed(base_url: str, body: dict, key: str = KEY, timeout: float = 300, under_way=None) -> dict:
+    return helpers.streamed(base_url, body, key, timeout, under_way)
 
 
 @dataclass

@@ -221,13 +221,14 @@ def test_spread_drain_kill_and_add(router, engines):
 
     # drain: a long stream on b; b leaves the pool and hands it over: it goes on on a at once (the data plane
     # says so), whole, its greedy text that of an uninterrupted run, and nothing new reaches b
-    body = {"model": MODEL, "prompt": "drain", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+    # (400 tokens: the stream is under way once its first events came; the hand-over follows within ms)
+    body = {"model": MODEL, "prompt": "drain", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
     reference = streamed(url_a, body)  # uninterrupted, straight from an engine
     router.remove(url_a, drain_s=30)
-    got: dict = {}
-    reader = threading.Thread(target=lambda: got.update(streamed(router.url, body)))
+    got, under_way = {}, threading.Event()
+    reader = threading.Thread(target=lambda: got.update(streamed(router.url, body, under_way=under_way)))
     reader.start()
-    _wait(lambda: (router.engine_load(url_b) or _idle()).running >= 1, 60)
+    assert under_way.wait(60), "the stream to be handed over did not start"
     router.add(url_a)
     assert router.remove(url_b, drain_s=120, hand_over=True) is True
     served_b = _served(url_b)
