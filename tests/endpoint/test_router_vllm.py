@@ -251,10 +251,11 @@ def test_spread_drain_kill_and_add(router, engines):
                  "ignore_eos": True, "temperature": 0} for i in range(2)]
     references = [streamed(url_b, body) for body in streams]  # on the engine that survives, uninterrupted
     outcomes: list = [None] * len(streams)
+    under_way = [threading.Event() for _ in streams]
 
     def read(index: int) -> None:
         try:
-            outcomes[index] = streamed(router.url, streams[index])
+            outcomes[index] = streamed(router.url, streams[index], under_way=under_way[index])
         except httpx.HTTPError as exc:
             outcomes[index] = {"broken": repr(exc)}
 
@@ -262,6 +263,7 @@ def test_spread_drain_kill_and_add(router, engines):
     [reader.start() for reader in readers]
     threads, result = run_load(router.url, MODEL, stop_event := threading.Event(), workers=4, max_tokens=8)
     killed_at = len(router.migrations(0))
+    _wait(lambda: all(e.is_set() for e in under_way), 60)
     _wait(lambda: (router.engine_load(url_a) or _idle()).running >= 2, 60)  # streams on a too
     open_at_kill = sum(reader.is_alive() for reader in readers)
     os.killpg(proc_a.pid, signal.SIGKILL)
