@@ -5,7 +5,8 @@
 # stop servers (replicas, hpcserve's data plane) and to record results (device_util.py).
 # Settings: BENCH_DIR (/tmp/gpubench), BENCH_COMMON (the flags every `vllm serve` shares), BENCH_KV_BYTES,
 # BENCH_REPLICA_MEM, BENCH_VLLM (a stand-in server for a dry run), BENCH_SRC (the src folder hpcserve's
-# data plane runs from: default this checkout's), BENCH_KEEP (servers outlive the call), BENCH_MODEL_ARGS.
+# data plane runs from: default this checkout's), BENCH_KEEP (servers outlive the call), BENCH_MODEL_ARGS,
+# BENCH_CPU_BIND (vLLM on CPU: "0 1" binds replica 1's threads to core 0, replica 2's to core 1; unset: vLLM's own).
 set -uo pipefail
 T_START=$(date +%s)
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -147,9 +148,10 @@ ensure_model() { # config + tokenizer only (dummy weights): what routing and bas
   log "model folder (no weights): $j"
 }
 replica() { # IDX PORT
+  local bind=""; [ -n "${BENCH_CPU_BIND:-}" ] && bind=$(echo $BENCH_CPU_BIND | cut -d' ' -f"$1")
   VLLM_SERVER_DEV_MODE=1 VLLM_PORT=$((30000 + 1000 * $1)) VLLM_DP_MASTER_PORT=$((40000 + 1000 * $1)) \
     VLLM_CACHE_ROOT=$VC TRITON_CACHE_DIR=$VC/triton-pre TORCHINDUCTOR_CACHE_DIR=$VC/inductor-pre \
-    start_bg "replica$1" "$RAW/replica$1.log" $VLLM serve "$MODEL" $COMMON --port "$2" --load-format dummy $REPLICA_MEM \
+    start_bg "replica$1" "$RAW/replica$1.log" ${bind:+env VLLM_CPU_OMP_THREADS_BIND=$bind} $VLLM serve "$MODEL" $COMMON --port "$2" --load-format dummy $REPLICA_MEM \
       ${BENCH_REPLICA_EXTRA:-}   # e.g. --enable-prompt-tokens-details: per-request cached_tokens for the client
 }
 SRC=${BENCH_SRC:-$(cd "$HERE/../.." && pwd)/src}   # hpcserve's own data plane (hps:POLICY): checkout or snapshot

