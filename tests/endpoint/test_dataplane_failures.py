@@ -19,6 +19,7 @@ from hpcserve.endpoint.router import Router, RouterError
 
 HTTP = httpx.Client(timeout=30, trust_env=False)
 FIRST_TOKEN_S = 3.0
+END_DELAY_S = 0.3
 
 
 def start_router(directory, name: str, urls: list[str], options: list[str] = ()) -> Router:
@@ -36,15 +37,16 @@ def stand_ins(tmp_path_factory):
     slow = start_stubs(["s1", "s2"], directory, token_delay_ms=20,
                        extra=["--first-token-delay-ms", str(FIRST_TOKEN_S * 1000)])
     quick = start_stubs(["a", "b", "c"], directory, token_delay_ms=0)
-    yield directory, [url for _, url in slow], [url for _, url in quick]
-    for proc, _ in slow + quick:
+    late_end = start_stubs(["e"], directory, token_delay_ms=0, extra=["--end-delay-ms", str(END_DELAY_S * 1000)])
+    yield directory, [url for _, url in slow], [url for _, url in quick], [url for _, url in late_end]
+    for proc, _ in slow + quick + late_end:
         stop(proc)
 
 
 @pytest.fixture(scope="module")
 def slow_start(stand_ins):
     """Data planes in front of the slow stand-ins: defaults, and a 1.5 s first-byte timeout."""
-    directory, urls, _ = stand_ins
+    directory, urls, _, _ = stand_ins
     routers = {}
     try:
         for name, options in (("plain", []), ("impatient", ["--first-byte-timeout-s", "1.5"])):
@@ -58,7 +60,7 @@ def slow_start(stand_ins):
 
 @pytest.fixture(scope="module")
 def quick(stand_ins):
-    directory, _, urls = stand_ins
+    directory, _, urls, _ = stand_ins
     router = start_router(directory, "quick", urls)
     yield router, urls
     router.stop()
@@ -113,7 +115,7 @@ def test_the_wait_for_the_first_byte_has_its_own_bound(slow_start):
 
 
 def test_an_answer_larger_than_the_buffer_streams_through_and_bad_flags_are_named(stand_ins, tmp_path):
-    directory, _, urls = stand_ins
+    directory, _, urls, _ = stand_ins
     router = start_router(directory, "small-buffer", urls, ["--max-buffer-mb", "0.001"])
     try:
         small = HTTP.post(f"{router.url}/v1/completions", headers=headers(),
@@ -160,3 +162,37 @@ def test_one_prompt_serialised_two_ways_meets_the_same_replica(quick):
                              ensure_ascii=False).encode()
         spaced = json.dumps({"max_tokens": 1, "prompt": text, "model": "stub"}, indent=1).encode()
         assert served_by(compact) == served_by(spaced)
+
+
+def _requests_by_code(router: Router) -> dict[str, float]:
+    counts = {}
+    for line in router.metrics().splitlines():
+        if line.startswith("hpcserve_router_requests_total{"):
+            counts[line.split('code="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+@pytest.mark.parametrize("migrations", ["2", "0"])
+def test_a_client_that_hangs_up_once_it_has_the_whole_stream_is_counted_as_answered(stand_ins, migrations):
+    """Most clients (the OpenAI client, vllm bench) stop reading at `data: [DONE]` and close the connection
+    before the body's last (empty) chunk, which vLLM's server sends a little later under load: they got the
+    whole answer, which is no 499 (a client that left). Streams that may migrate and those that may not."""
+    directory, _, _, urls = stand_ins
+    router = start_router(directory, f"late-end-{migrations}", urls, ["--migrations", migrations])
+    try:
+        body = json.dumps({"model": "stub", "prompt": "hang up at the end", "max_tokens": 5, "stream": True}).encode()
+        for _ in range(3):
+            with socket.create_connection(("127.0.0.1", router.port), timeout=10) as client:
+                client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                               b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: "
+                               + str(len(body)).encode() + b"\r\n\r\n" + body)
+                received = b""
+                while b"[DONE]" not in received:
+                    piece = client.recv(65536)
+                    assert piece, received[-300:]
+                    received += piece
+        wait_for(lambda: sum(_requests_by_code(router).values()) == 3, 5 * END_DELAY_S + 2)
+        assert _requests_by_code(router) == {"200": 3}
+    finally:
+        router.stop()
+        router.close()

@@ -57,7 +57,8 @@ from hpcserve.endpoint.migration import Request as Migratable
 from hpcserve.endpoint.migration import prepare
 from hpcserve.endpoint.plane_admin import admin_app
 from hpcserve.endpoint.plane_metrics import CLIENT_CLOSED, Stats
-from hpcserve.endpoint.plane_server import ClientServer, bind_admin_socket, client_sockets
+from hpcserve.endpoint.plane_server import (ClientServer, RelayedStream, answered_status, bind_admin_socket,
+                                            client_sockets)
 from hpcserve.endpoint.plane_settings import Settings, parse_args
 from hpcserve.endpoint.prefix_index import request_json
 from hpcserve.endpoint.prompt_tokens import PromptTokenizer
@@ -144,6 +145,8 @@ class DataPlane:
             status = refusal.status
             return refusal.response()
         finally:
+            if status == CLIENT_CLOSED:  # cancelled: the client left, perhaps with the whole answer
+                status = answered_status(request) or status
             self.stats.done(status, time.monotonic() - started)
 
     async def answer(self, request: web.BaseRequest) -> web.StreamResponse:
@@ -273,23 +276,21 @@ class DataPlane:
             upstream.release()
             return web.Response(status=upstream.status, body=first, headers=out_headers)
         if migratable is not None and upstream.status == 200:
-            response = web.StreamResponse(status=upstream.status, headers=out_headers)
+            response = request[RelayedStream.KEY] = RelayedStream(status=upstream.status, headers=out_headers)
             await response.prepare(request)
             await Stream(self, response, lease, migratable, headers).run(upstream, first)
             await response.write_eof()
             return response
         done = False
         try:
-            response = web.StreamResponse(status=upstream.status, headers=out_headers)
+            response = request[RelayedStream.KEY] = RelayedStream(status=upstream.status, headers=out_headers)
             await response.prepare(request)
             chunk, silence = first, self.settings.read_timeout_s
             while chunk:
                 await response.write(chunk)
                 async with asyncio.timeout(silence):
                     chunk = await upstream.content.readany()
-            await response.write_eof()
             done = True
-            return response
         except (aiohttp.ClientError, TimeoutError) as exc:  # the stream broke after it began
             self.stats.broken_streams += 1
             raise ConnectionError(f"the stream from {backend.url} broke: {type(exc).__name__}") from exc
@@ -298,6 +299,8 @@ class DataPlane:
                 upstream.release()
             else:  # closing the connection tells the engine to abort the request (client gone, or broken)
                 upstream.close()
+        await response.write_eof()
+        return response
 
     def read_whole(self, request: web.BaseRequest, upstream: aiohttp.ClientResponse) -> bool:
         """Whether the answer is read whole before it is passed on (a length within max_buffer_bytes, or no

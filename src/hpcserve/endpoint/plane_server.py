@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from hpcserve.core.folders import private_dir
 from hpcserve.endpoint import wire
 from hpcserve.endpoint.plane_metrics import Collector
+from hpcserve.endpoint.sse import DONE_MARK
 
 # After a refusal the rest of a request is read and dropped this long (so the client gets the answer, not
 # a reset while it still sends), then the connection closes: aiohttp's 10 s would let slow clients linger.
@@ -62,6 +63,26 @@ class Refuse(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         transport.write(self.answer)
         transport.close()
+
+
+class RelayedStream(web.StreamResponse):
+    """A streamed answer that knows when the client has it whole: `data: [DONE]` written. Most clients stop
+    reading there and hang up before the body's last chunk (vLLM's server sends it a little later); the
+    data plane then stops the request (handler_cancellation), but counts it answered, not 499."""
+
+    KEY = "hpcserve.relayed"  # where the request keeps its streamed answer
+    whole = False
+
+    async def write(self, data: bytes) -> None:
+        await super().write(data)
+        if DONE_MARK in data:
+            self.whole = True
+
+
+def answered_status(request: web.BaseRequest) -> int | None:
+    """The status of a streamed answer the client already had whole, else None."""
+    relayed = request.get(RelayedStream.KEY)
+    return relayed.status if relayed is not None and relayed.whole else None
 
 
 class ClientServer(web.Server):

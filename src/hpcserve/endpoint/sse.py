@@ -8,6 +8,7 @@ IDS = b'token_ids":['  # ends both "token_ids" and "prompt_token_ids"
 ERROR = b'data: {"error"'
 ABORT = b'"finish_reason":"abort"'
 DONE = b"data: [DONE]\n\n"
+DONE_MARK = b"data: [DONE]"  # the end of a stream, anywhere in a chunk
 
 
 class EventSplitter:

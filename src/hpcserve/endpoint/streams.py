@@ -29,10 +29,9 @@ import aiohttp
 from hpcserve.endpoint.balance import Backend, choose
 from hpcserve.endpoint.continuation import Continuation, detokenize_body, ending, start
 from hpcserve.endpoint.migration import CannotMigrate, Record, Request, why_not
-from hpcserve.endpoint.sse import DONE, EventSplitter, has_failure, is_failure, split_events, strip_ids
+from hpcserve.endpoint.sse import DONE, DONE_MARK, EventSplitter, has_failure, is_failure, split_events, strip_ids
 
 DETOKENIZE_TIMEOUT_S = 10.0
-DONE_MARK = b"data: [DONE]"  # the end of a stream, anywhere in a chunk
 
 
 class StreamFailed(Exception):

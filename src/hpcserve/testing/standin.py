@@ -182,6 +182,8 @@ async def _answer(request: web.Request, body: dict, chat: bool) -> web.StreamRes
                      "usage": {"prompt_tokens": 1, "completion_tokens": tokens, "total_tokens": tokens + 1}}
             await response.write(b"data: " + json.dumps(usage).encode() + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
+        if config["end_delay_s"]:  # vLLM's server under load: the body's end comes a little after [DONE]
+            await asyncio.sleep(config["end_delay_s"])
         await response.write_eof()
         return response
     finally:
@@ -222,13 +224,14 @@ async def _name_every_response(request: web.Request, response: web.StreamRespons
 
 def make_app(name: str, token_delay_s: float = 0.0, tokens: int = 16, api_key: str | None = None,
              slots: int = 1_000_000, metrics: MetricsPage | None = None,
-             first_token_delay_s: float = 0.0) -> web.Application:
+             first_token_delay_s: float = 0.0, end_delay_s: float = 0.0) -> web.Application:
     app = web.Application()
     app[SLOTS] = asyncio.Semaphore(slots)
     app[FROZEN] = asyncio.Event()
     app[METRICS] = metrics or MetricsPage.load()
     app[CONFIG] = {"name": name, "token_delay_s": token_delay_s, "tokens": tokens, "api_key": api_key,
-                   "slots": slots, "first_token_delay_s": first_token_delay_s, "key_check": KeyCheck(api_key)}
+                   "slots": slots, "first_token_delay_s": first_token_delay_s, "end_delay_s": end_delay_s,
+                   "key_check": KeyCheck(api_key)}
     app.on_response_prepare.append(_name_every_response)
     app[STATS] = {"requests": 0, "waiting": 0, "in_flight": 0, "done": 0, "failed": 0, "crashed": 0, "last_body": None,
                   "health_reads": 0, "metrics_reads": 0}
@@ -358,11 +361,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--token-delay-ms", type=float, default=0.0)
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--first-token-delay-ms", type=float, default=0.0)
+    parser.add_argument("--end-delay-ms", type=float, default=0.0, help="a stream's end this long after its [DONE]")
     parser.add_argument("--slots", type=int, default=1_000_000, help="requests run at once; the rest wait")
     parser.add_argument("--small-metrics", action="store_true", help="/metrics with the four read families only")
     args = parser.parse_args(argv)
     settings = {"token_delay_s": args.token_delay_ms / 1000.0, "tokens": args.tokens,
-                "first_token_delay_s": args.first_token_delay_ms / 1000.0,
+                "first_token_delay_s": args.first_token_delay_ms / 1000.0, "end_delay_s": args.end_delay_ms / 1000.0,
                 "api_key": os.environ.get("HPCSERVE_STUB_API_KEY"), "slots": args.slots}
     if args.ports or args.count:
         ports = ([int(p) for p in args.ports.split(",")] if args.ports
