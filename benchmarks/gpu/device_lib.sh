@@ -164,9 +164,11 @@ hps_check() { # can the device's python run hpcserve.endpoint.dataplane (its imp
   else log "hps: import failed, hps:* cases skipped: $(echo "$err" | tail -3 | tr '\n' ' ' | cut -c1-400)"; fi
 }
 start_hps() { # POLICY LOG: the data plane on 127.0.0.1:8000, both replicas set over its admin socket
-  local i put
+  local i put rl=""   # ROUTING_HPS_LOG=1: its choices in LOG's name .routing.jsonl, where it can write them
+  [ -n "${ROUTING_HPS_LOG:-}" ] && grep -qs -- '--routing-log' "$SRC/hpcserve/endpoint/plane_settings.py" \
+    && rl="--routing-log ${2%.log}.routing.jsonl"
   start_bg router "$2" env PYTHONPATH="$SRC" $PY -m hpcserve.endpoint.dataplane --host 127.0.0.1 --port 8000 \
-    --admin-socket "$HPS_SOCK" --policy "$1" --hold-s 30 ${BENCH_HPS_ARGS:-}   # e.g. --workers 2
+    --admin-socket "$HPS_SOCK" --policy "$1" --hold-s 30 ${BENCH_HPS_ARGS:-} $rl   # e.g. --workers 2
   for i in $(seq 60); do
     curl -sf -m 2 --unix-socket "$HPS_SOCK" http://hps/health >/dev/null && break
     kill -0 "$BG" 2>/dev/null || return 1; sleep 0.5

@@ -360,3 +360,17 @@ def test_the_configured_routing_reaches_the_data_plane_and_a_wrong_one_is_named(
     assert parse_config({"name": "r", "model": {"path": "builtin:tiny-llama"}}).serve.routing is Routing.PREFIX
     with pytest.raises(ConfigError, match="serve.routing.*'least_loaded', 'round_robin' or 'prefix'"):
         parse_config({"name": "r", "model": {"path": "builtin:tiny-llama"}, "serve": {"routing": "sticky"}})
+
+
+def test_the_routing_log_says_what_each_replica_held_and_where_the_request_went(tmp_path):
+    from hpcserve.endpoint.routing_log import RoutingLog
+
+    pool, log = pool_of(BackendSpec("http://a"), BackendSpec("http://b")), RoutingLog(tmp_path / "routing.jsonl")
+    first = log.choose(pool, Routing.PREFIX, prompt_of(7, 0), 0.0)
+    repeat = log.choose(pool, Routing.PREFIX, prompt_of(7, 1), 0.0)
+    assert log.choose(pool, Routing.PREFIX, None, 0.0) is not None  # nothing to route on: not written
+    lines = [json.loads(line) for line in (tmp_path / "routing.jsonl").read_text().splitlines()]
+    assert [line["to"] for line in lines] == [first.url, repeat.url] and repeat is first
+    assert lines[0]["seen"] == {"http://a": [0.0, 0, 0.0], "http://b": [0.0, 0, 0.0]}
+    held, in_flight, fill = lines[1]["seen"][first.url]
+    assert held >= 0.5 and in_flight == 0 and fill > 0  # seen before the choice: the prefix sent there

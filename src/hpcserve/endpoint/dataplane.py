@@ -53,8 +53,7 @@ from hpcserve.core.statuses import Routing
 from hpcserve.endpoint import wire
 from hpcserve.endpoint.balance import Affinity, Backend, Pool, choose
 from hpcserve.endpoint.kv_feed import Feeds
-from hpcserve.endpoint.migration import Request as Migratable
-from hpcserve.endpoint.migration import prepare
+from hpcserve.endpoint.migration import Request as Migratable, prepare
 from hpcserve.endpoint.plane_admin import admin_app
 from hpcserve.endpoint.plane_metrics import CLIENT_CLOSED, Stats
 from hpcserve.endpoint.plane_server import (ClientServer, RelayedStream, answered_status, bind_admin_socket,
@@ -62,6 +61,7 @@ from hpcserve.endpoint.plane_server import (ClientServer, RelayedStream, answere
 from hpcserve.endpoint.plane_settings import Settings, parse_args
 from hpcserve.endpoint.prefix_index import request_json
 from hpcserve.endpoint.prompt_tokens import PromptTokenizer
+from hpcserve.endpoint.routing_log import RoutingLog
 from hpcserve.endpoint.streams import Lease, Migration, Stream
 from hpcserve.endpoint.wire import PROCESS_TITLE
 from hpcserve.endpoint.workers import supervise
@@ -108,6 +108,7 @@ class DataPlane:
         self.prefix = settings.policy is Routing.PREFIX
         self.urls: dict[tuple[str, str], URL] = {}  # (backend, path) -> parsed URL: a few paths are most requests
         self.migration_log: deque[Migration] = deque(maxlen=MIGRATION_LOG)
+        self.choose = RoutingLog(settings.routing_log).choose if settings.routing_log and self.prefix else choose
 
     async def open(self) -> None:
         connector = aiohttp.TCPConnector(limit=self.settings.max_connections, limit_per_host=0,
@@ -194,7 +195,7 @@ class DataPlane:
         hold_until = None
         resent = 0
         while True:
-            backend = choose(self.pool, self.settings.policy, affinity, time.monotonic(), tried)
+            backend = self.choose(self.pool, self.settings.policy, affinity, time.monotonic(), tried)
             if backend is None:
                 hold_until = hold_until or time.monotonic() + self.settings.hold_s  # one hold per request
                 backend = await self.hold(affinity, hold_until)
@@ -243,7 +244,7 @@ class DataPlane:
                         await changed.wait()
                 except TimeoutError:
                     pass
-                backend = choose(self.pool, self.settings.policy, affinity, time.monotonic())
+                backend = self.choose(self.pool, self.settings.policy, affinity, time.monotonic())
                 if backend is not None:
                     return backend
         finally:

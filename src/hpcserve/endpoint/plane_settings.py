@@ -38,6 +38,7 @@ class Settings:
     workers: int = 1
     tokenizer: Path | None = None  # the model folder: prompts as token ids, to match the engines' KV events
     chat_template: Path | None = None  # the engines' --chat-template, where it replaces the model's
+    routing_log: Path | None = None  # the prefix policy's choices, one JSON line each (routing_log.py)
 
 
 def parse_args(argv: list[str], description: str = "") -> Settings:
@@ -70,6 +71,8 @@ def parse_args(argv: list[str], description: str = "") -> Settings:
                         "then routes by the engines' KV events too (engine/kv_events.py)")
     parser.add_argument("--chat-template", type=Path, help="the chat template the engines use, where it is not the "
                         "model folder's")
+    parser.add_argument("--routing-log", type=Path, help="append the prefix policy's choices here, one JSON line "
+                        "each: what each replica held of the prompt, and where it went (a diagnosis: off by default)")
     args = parser.parse_args(argv)
     if args.hold_s < 0 or args.tries < 1 or args.resends < 0 or args.max_connections < 1 or args.max_body_mb <= 0:
         parser.error("--hold-s and --resends must be >= 0, --tries and --max-connections >= 1, --max-body-mb > 0")
@@ -87,4 +90,4 @@ def parse_args(argv: list[str], description: str = "") -> Settings:
                     body_timeout_s=args.body_timeout_s, connect_timeout_s=args.connect_timeout_s,
                     first_byte_timeout_s=args.first_byte_timeout_s, read_timeout_s=args.read_timeout_s,
                     workers=args.workers, tokenizer=args.tokenizer, chat_template=args.chat_template,
-                    migrations=args.migrations)
+                    migrations=args.migrations, routing_log=args.routing_log)
