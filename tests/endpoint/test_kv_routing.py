@@ -141,6 +141,22 @@ def test_a_prompt_on_its_way_into_a_cache_draws_its_repeats_until_the_engine_say
     assert all(pool.exact[url].match(repeat.token_blocks(4), 20.0 + PENDING_S + 1) == 0 for url in (A, B))
 
 
+def test_new_prefixes_count_the_prompts_on_their_way_into_a_cache():
+    """A replica whose engine has not yet stored what was just sent to it (events lag under load) is not
+    emptier for it: new prefixes spread by what each cache will hold. Before, they piled onto the replica
+    whose events lagged (seen on CPU: 2/3 of the prefixes on one cache, then its repeats outgrew it)."""
+    pool = two_backends(exact_on=B)
+    for url in (A, B):
+        pool.exact[url].block_size = 4
+    pool.by_url[B].in_flight = 1  # a little busier (an eighth of its capacity): A has more room at first
+    homes = [choose(pool, Routing.PREFIX, Affinity(None, prompt_blocks(f"prefix {p} " * 40),
+                                                   [1000 * p + i for i in range(100)]), now=1.0).url
+             for p in range(10)]
+    assert 4 <= homes.count(A) <= 6, homes  # 25 blocks a prompt, 256 a cache: each prompt fills 0.1 of one
+    assert pool.exact[A].blocks(1.0) == 25 * homes.count(A) and pool.exact[A].blocks() == 0  # pending, not held
+    assert pool.exact[A].blocks(1.0 + 16.0) == 0  # never stored: after PENDING_S they no longer count
+
+
 def test_prompts_become_the_engines_token_ids(tmp_path):
     from hpcserve.models.tiny import tiny_model_path
 

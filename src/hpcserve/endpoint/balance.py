@@ -264,7 +264,7 @@ def choose(pool: Pool, policy: Routing, affinity: Affinity | None, now: float,
         chosen = cache_holder(pool, eligible, affinity, pool.turn, now)
     if chosen is None:
         prompt = affinity.blocks or affinity.tokens
-        chosen = roomiest(pool, eligible, pool.turn) if prompt else least_loaded(eligible, pool.turn)
+        chosen = roomiest(pool, eligible, pool.turn, now) if prompt else least_loaded(eligible, pool.turn)
     record(pool, chosen.url, affinity, now)
     return chosen
 
@@ -305,22 +305,24 @@ def cache_holder(pool: Pool, backends: list[Backend], affinity: Affinity, turn: 
     return holder if holder.load() - lightest <= BALANCE_SLACK else None
 
 
-def cache_fill(pool: Pool, url: str) -> float:
+def cache_fill(pool: Pool, url: str, now: float) -> float:
     """How full url's prefix cache is (0 empty, 1 full): from its engine's events where followed and its
-    size known, else by the prompts sent there."""
+    size known, with the prompts on their way in (else new prefixes pile onto the replica whose events lag
+    most, until its repeats outgrow it: seen on CPU, docs/benchmarks/routing.md), else by the prompts sent
+    there."""
     exact, kv_tokens = pool.exact.get(url), pool.kv_tokens.get(url)
     if exact is not None and exact.complete and kv_tokens:
-        return min(1.0, exact.blocks() * (exact.block_size or TOKENS_PER_BLOCK) / kv_tokens)
+        return min(1.0, exact.blocks(now) * (exact.block_size or TOKENS_PER_BLOCK) / kv_tokens)
     return pool.index.fill(url)
 
 
-def roomiest(pool: Pool, backends: list[Backend], turn: int) -> Backend:
+def roomiest(pool: Pool, backends: list[Backend], turn: int, now: float) -> Backend:
     """Where a new prefix has most room: the smallest load plus cache fill; among equals, in turn."""
     size = len(backends)
     best, best_score = backends[turn % size], math.inf
     for step in range(size):
         backend = backends[(turn + step) % size]
-        score = backend.load() + cache_fill(pool, backend.url)
+        score = backend.load() + cache_fill(pool, backend.url, now)
         if score < best_score:
             best, best_score = backend, score
     return best

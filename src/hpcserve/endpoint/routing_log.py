@@ -26,8 +26,8 @@ HEAD_TOKENS = 4
 
 def seen(pool: Pool, affinity: Affinity, now: float) -> dict[str, list[float]]:
     """What the prefix policy sees of one prompt, replica by replica. Pure."""
-    return {b.url: [round(cached_share(pool, b.url, affinity, now), 4), b.in_flight, round(cache_fill(pool, b.url), 4)]
-            for b in pool.active}
+    return {b.url: [round(cached_share(pool, b.url, affinity, now), 4), b.in_flight,
+                    round(cache_fill(pool, b.url, now), 4)] for b in pool.active}
 
 
 class RoutingLog:

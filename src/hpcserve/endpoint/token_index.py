@@ -114,5 +114,15 @@ class TokenIndex:
             depth += 1
         return depth
 
-    def blocks(self) -> int:
-        return len(self.held)
+    def blocks(self, now: float | None = None) -> int:
+        """Blocks the engine holds; given `now`, with those on their way in (sent, not stored yet): a cache
+        that has just been sent many new prompts is fuller than its events say."""
+        if now is None:
+            return len(self.held)
+        pending = self.pending
+        while pending:  # in the order expected, which is the order they expire: the expired ones go
+            block, until = next(iter(pending.items()))
+            if until > now:
+                break
+            del pending[block]
+        return len(self.held) + len(pending)
