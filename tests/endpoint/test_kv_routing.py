@@ -157,6 +157,23 @@ def test_new_prefixes_count_the_prompts_on_their_way_into_a_cache():
     assert pool.exact[A].blocks(1.0 + 16.0) == 0  # never stored: after PENDING_S they no longer count
 
 
+def test_prompts_sent_before_the_first_event_count_once_it_says_the_block_size():
+    """The first burst goes out before any engine has stored a block (so before the index knows vLLM's
+    block size): those prompts count as on their way in as soon as the first event says it. Before, they
+    counted nowhere until their own events came, and their repeats in the next burst split (seen on CPU)."""
+    tokens = list(range(100))
+    pool = two_backends(exact_on=B)
+    prompt = Affinity(None, prompt_blocks("z" * 400), tokens)
+    first = choose(pool, Routing.PREFIX, prompt, now=1.0).url
+    other = B if first == A else A
+    pool.exact[other].apply([Stored(["o1"], None, [7, 7, 7, 7], 4)])  # both engines now speak: size 4
+    pool.exact[first].apply([Stored(["f1"], None, [9, 9, 9, 9], 4)])
+    repeat = Affinity(None, prompt_blocks("z" * 400), tokens)
+    assert cached_share(pool, first, repeat, 2.0) == 1.0 and cached_share(pool, other, repeat, 2.0) == 0.0
+    pool.by_url[first].in_flight = 1  # a little busier than the other: the prompt still draws its repeat
+    assert choose(pool, Routing.PREFIX, repeat, now=2.0).url == first
+
+
 def test_prompts_become_the_engines_token_ids(tmp_path):
     from hpcserve.models.tiny import tiny_model_path
 

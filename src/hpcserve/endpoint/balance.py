@@ -273,8 +273,11 @@ def record(pool: Pool, url: str, affinity: Affinity, now: float) -> None:
     """A prompt sent to url (here, or by another worker of the data plane): in both indexes."""
     pool.index.record(url, affinity.blocks)
     exact = pool.exact.get(url)
-    if exact is not None and exact.block_size and affinity.tokens:
-        exact.expect(affinity.token_blocks(exact.block_size), now + PENDING_S)
+    if exact is not None and affinity.tokens:
+        if exact.block_size:
+            exact.expect(affinity.token_blocks(exact.block_size), now + PENDING_S)
+        else:  # no event yet (the first burst): its blocks count once the engine's first event says their size
+            exact.expect_early(affinity.tokens, now + PENDING_S)
 
 
 def cached_share(pool: Pool, url: str, affinity: Affinity, now: float) -> float:

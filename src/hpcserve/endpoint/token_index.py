@@ -28,6 +28,7 @@ from hpcserve.engine.kv_events import Cleared, Removed, Stored
 ROOT = 0
 MAX_ENTRIES = 1 << 21  # engine blocks one replica's index keeps at most, whatever its engine publishes
 MAX_PENDING = 1 << 18  # expected blocks kept at most
+MAX_EARLY_TOKENS = 1 << 20  # token ids of prompts sent before the block size was known, kept at most
 
 
 def token_blocks(token_ids: list[int], block_size: int, start: int = ROOT) -> list[int]:
@@ -51,6 +52,9 @@ class TokenIndex:
         self.unchained = 0  # stored blocks whose parent the index never saw
         self.events = 0
         self.complete = False  # every block of ours the engine holds is here (kv_feed says when)
+        # Prompts sent before the first event said the block size (a burst at the start): expected once known
+        self.early: list[tuple[list[int], float]] = []
+        self.early_tokens = 0
 
     def apply(self, events: Iterable[Stored | Removed | Cleared]) -> None:
         for event in events:
@@ -66,7 +70,11 @@ class TokenIndex:
     def store(self, event: Stored) -> None:
         if self.block_size and event.block_size != self.block_size:
             return  # another cache group's blocks (hybrid models): the first size is the one routed on
-        self.block_size = event.block_size
+        if not self.block_size:
+            self.block_size = event.block_size
+            for tokens, until in self.early:
+                self.expect(token_blocks(tokens, self.block_size), until)
+            self.early, self.early_tokens = [], 0
         parent = ROOT if event.parent is None else self.ours.get(event.parent)
         if parent is None:
             self.unchained += len(event.hashes)
@@ -93,6 +101,7 @@ class TokenIndex:
         self.ours.clear()
         self.held.clear()
         self.pending.clear()
+        self.early, self.early_tokens = [], 0
 
     def expect(self, blocks: list[int], until: float) -> None:
         """Blocks just sent to the engine: held, as far as match() tells, until `until` or their events."""
@@ -104,6 +113,12 @@ class TokenIndex:
             if block not in held:
                 pending.pop(block, None)
                 pending[block] = until
+
+    def expect_early(self, token_ids: list[int], until: float) -> None:
+        """A prompt sent before the block size is known (no event yet): expected as soon as it is."""
+        if self.early_tokens + len(token_ids) <= MAX_EARLY_TOKENS:
+            self.early.append((token_ids, until))
+            self.early_tokens += len(token_ids)
 
     def match(self, blocks: list[int], now: float | None = None) -> int:
         """How many of the leading blocks the engine holds (or, given `now`, is expected to hold)."""
