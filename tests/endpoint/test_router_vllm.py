@@ -33,8 +33,8 @@ MODEL = "tiny"
 def start_engine(model_path: str, core: int, log_dir) -> tuple[subprocess.Popen, str]:
     port = free_port()
     argv = [sys.executable, "-m", "hpcserve.engine.vllm_cli", "serve", model_path, "--served-model-name", MODEL,
-            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "512", *SMALL_KV_CACHE,
-            "--middleware", KV_EVENTS_RELAY, "--middleware", KEY_GUARD]  # as engine.args puts them
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "2048",
+            *SMALL_KV_CACHE, "--middleware", KV_EVENTS_RELAY, "--middleware", KEY_GUARD]  # as engine.args puts them
     # dev mode: POST /reset_prefix_cache, for the test of routing by the engines' KV events
     env = own_tmp_env(log_dir, VLLM_API_KEY=KEY, VLLM_CPU_OMP_THREADS_BIND=str(core), VLLM_SERVER_DEV_MODE="1")
     log = open(log_dir / f"engine-{core}.log", "ab")
@@ -221,8 +221,10 @@ def test_spread_drain_kill_and_add(router, engines):
 
     # drain: a long stream on b; b leaves the pool and hands it over: it goes on on a at once (the data plane
     # says so), whole, its greedy text that of an uninterrupted run, and nothing new reaches b
-    # (400 tokens: the stream is under way once its first events came; the hand-over follows within ms)
-    body = {"model": MODEL, "prompt": "drain", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+    # (1,500 tokens, seconds on these cores: the stream is under way once its first events came, and the
+    # router's calls that follow must reach the data plane before it ends, even beside the other worker's
+    # tests; 400 tokens ended first once in CI)
+    body = {"model": MODEL, "prompt": "drain", "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
     reference = streamed(url_a, body)  # uninterrupted, straight from an engine
     router.remove(url_a, drain_s=30)
     got, under_way = {}, threading.Event()
