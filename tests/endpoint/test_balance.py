@@ -219,7 +219,7 @@ def test_a_holder_loaded_past_the_slack_gives_way_and_then_both_hold_it():
     pool = pool_of(BackendSpec("http://a", 16), BackendSpec("http://b", 16))
     first = send(pool, Routing.PREFIX, prompt_of(1, 0))
     chosen = [send(pool, Routing.PREFIX, prompt_of(1, i)) for i in range(1, 6)]
-    # 0.125 x 16 = 2 requests of slack: the holder keeps the first ones, then the other takes over
+    # 0.25 x 16 = 4 requests of slack: the holder keeps the first ones, then the other takes over
     assert chosen[0] is first and chosen[1] is first and any(b is not first for b in chosen)
     for backend in pool.active:
         backend.in_flight = 0

@@ -45,10 +45,12 @@ MAX_CAPACITY = 1 << 20
 # A cached part worth following: half the prompt (SGLang's cache-aware router uses the same 0.5), so a
 # short shared system prompt before long distinct questions does not pull every request to one replica.
 MATCH_FRACTION = 0.5
-# How far the replica holding a prefix may be loaded above the lightest before balance wins: an eighth of
-# its capacity (32 of vLLM's 256 sequences, SGLang's absolute threshold). A repeat sent elsewhere pays a
-# whole prefill again, a little more load only a little decode time: the bound is loose on purpose.
-BALANCE_SLACK = 0.125
+# How far the replica holding a prefix may be loaded above the lightest before balance wins: a quarter of
+# its capacity (64 of vLLM's 256 sequences, vllm-router's --balance-abs-threshold). A repeat sent elsewhere
+# pays a whole prefill again, a little more load only a little decode time: the bound is loose on purpose.
+# An eighth (32) split about 1 prefix in 50 on the GPU at 128 in flight (holders at 53-55 against 17-22),
+# where cache_aware kept them (docs/benchmarks/routing.md).
+BALANCE_SLACK = 0.25
 MAX_KV_TOKENS = 1 << 40
 # A prompt sent to a replica is in its cache before its engine says so: the events come once its prefill
 # ran, which under load takes seconds (TTFT p99 ~5 s on an H100 at 128 in flight, docs/benchmarks/routing.md).

@@ -101,7 +101,6 @@ class DataPlane:
         self.pool = Pool()
         self.tokenizer: PromptTokenizer | None = None  # with the engines' KV events (kv_feed): exact routing
         self.feeds: Feeds | None = None
-        self.peers = None  # workers.Peers when other workers share this port: they hear where prompts went
         self.stats = Stats()
         self.changed = asyncio.Event()  # replaced after every membership change: held requests wake
         self.session: aiohttp.ClientSession | None = None
@@ -199,8 +198,6 @@ class DataPlane:
             if backend is None:
                 hold_until = hold_until or time.monotonic() + self.settings.hold_s  # one hold per request
                 backend = await self.hold(affinity, hold_until)
-            if self.peers is not None and affinity is not None and (affinity.blocks or affinity.tokens):
-                self.peers.tell(backend.url, affinity)
             tried += (backend,)
             backend.in_flight += 1
             backend.requests += 1
@@ -351,8 +348,8 @@ async def serve(settings: Settings, key: str | None, client_sock: socket.socket,
     await admin.setup()
     await web.SockSite(clients, client_sock, backlog=1024).start()
     await web.SockSite(admin, admin_sock).start()
-    if peers is not None:
-        plane.peers = peers
+    if peers is not None:  # other workers share this port: each choice hears theirs and tells them
+        plane.choose = peers.choosing(plane.choose)
         peers.listen(asyncio.get_running_loop(), plane.pool)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

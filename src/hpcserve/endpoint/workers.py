@@ -7,7 +7,11 @@ Each worker is a whole data plane (dataplane.serve) on its own SO_REUSEPORT sock
 spreads new connections over them. They are forked from this process before any event loop runs, so they
 share its hash seed and name prompt blocks alike (prefix_index), and each tells the others, over a pair of
 Unix datagram sockets made here, which prompts (text blocks and token ids) it sent to which backend: every
-worker routes with what all of them sent, and follows every engine's KV events itself (kv_feed). A message lost under load (a full socket buffer) costs a little affinity, never a request.
+worker routes with what all of them sent, and follows every engine's KV events itself (kv_feed). Each
+worker reads what its siblings told it right before every choice (Peers.choosing), not only when its event
+loop comes round: in a burst the loop is busy routing its own share, and on the GPU its siblings' news came
+60-120 ms late, after repeats of their new prefixes had gone to the other replica. A message lost under
+load (a full socket buffer) costs a little affinity, never a request.
 
 The supervisor keeps the admin socket: PUT /backends goes to every worker's own socket (in the same
 owner-only folder); GET /backends and /metrics are the workers' answers merged (in-flight counts and
@@ -29,12 +33,14 @@ import struct
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
 from aiohttp import web
 
-from hpcserve.endpoint.balance import Affinity, BackendSpec, Pool, record
+from hpcserve.core.statuses import Routing
+from hpcserve.endpoint.balance import Affinity, Backend, BackendSpec, Pool, record
 from hpcserve.endpoint.plane_metrics import Collector, Stats, merged_backends
 from hpcserve.endpoint.plane_server import bind_admin_socket, metrics_response, owner_only
 from hpcserve.endpoint.wire import PROCESS_TITLE
@@ -71,6 +77,21 @@ class Peers:
     def listen(self, loop: asyncio.AbstractEventLoop, pool: Pool) -> None:
         for sock in self.sockets:
             loop.add_reader(sock.fileno(), self.heard, sock, pool)
+
+    def choosing(self, choose: Callable[..., Backend | None]) -> Callable[..., Backend | None]:
+        """choose (balance.choose or the routing log's), knowing everything the siblings told so far, and
+        telling them where the prompt went."""
+
+        def choose_with_siblings(pool: Pool, policy: Routing, affinity: Affinity | None, now: float,
+                                 tried: tuple[Backend, ...] = ()) -> Backend | None:
+            for sock in self.sockets:
+                self.heard(sock, pool)
+            backend = choose(pool, policy, affinity, now, tried)
+            if backend is not None and affinity is not None and (affinity.blocks or affinity.tokens):
+                self.tell(backend.url, affinity)
+            return backend
+
+        return choose_with_siblings
 
     @staticmethod
     def heard(sock: socket.socket, pool: Pool) -> None:
