@@ -39,7 +39,9 @@ get on what was sent (block size --block, --replicas caches of K tokens each; vL
   prefix    Belady's optimal eviction on one cache of replicas x K tokens (an upper bound for separate
             caches), less the blocks the requests in flight hold of their own; the requests in the order sent.
             When every prefix fits, it is every repeat of a prefix hitting its whole blocks
-            (best_hit_tokens_no_eviction, always given).
+            (best_hit_tokens_no_eviction, always given). lru_hit_tokens: the same cache evicting the least
+            recently used prefix first (its last blocks first), as vLLM's engines do: what a router gets at
+            most where the engines choose what to evict (on evict both routers came within 2 % of it).
   multiturn every turn after the first hitting the whole blocks of the previous turn's prompt and answer
             (as the server counted them: usage); an upper bound, reached when nothing is evicted.
 Writes OUT.json (config + summary) and OUT.requests.jsonl (one line per request).
@@ -53,6 +55,7 @@ import json
 import random
 import statistics
 import time
+from collections import OrderedDict
 from pathlib import Path
 
 import aiohttp
@@ -225,6 +228,27 @@ def belady_hits(sequence: list[int], blocks: int, capacity: int) -> int:
     return hits
 
 
+def lru_hits(sequence: list[int], blocks: int, capacity: int) -> int:
+    """Blocks hit when one cache of `capacity` blocks evicts the least recently used group first, its last
+    blocks first (vLLM frees a request's blocks tail first): as belady_hits, with LRU in place of Belady. Pure."""
+    held: OrderedDict[int, int] = OrderedDict()  # group -> cached leading blocks, least recently used first
+    hits, total = 0, 0
+    for g in sequence:
+        cached = held.pop(g, 0)
+        hits += cached
+        total += blocks - cached
+        held[g] = blocks
+        while total > capacity:
+            victim, kept = next(iter(held.items()))
+            drop = min(kept, total - capacity)
+            total -= drop
+            if kept > drop:
+                held[victim] = kept - drop  # stays first: still the least recently used
+            else:
+                del held[victim]
+    return hits
+
+
 def best_hits(records: list[dict], a) -> dict:
     """The most prefix-cache hit tokens the workload sent allows (see the module's doc)."""
     b = a.block
@@ -237,6 +261,7 @@ def best_hits(records: list[dict], a) -> dict:
         capacity = max(0, a.replicas * (a.kv_tokens // b) - in_flight * own)
         return {"best_hit_tokens": belady_hits(order, shared, capacity) * b,
                 "best_hit_tokens_no_eviction": repeats * shared * b,
+                "lru_hit_tokens": lru_hits(order, shared, capacity) * b,
                 "best_capacity_blocks": capacity, "best_method": "belady, one cache of replicas x kv_tokens"}
     best, mismatched = 0, 0
     by_group: dict[int, list[dict]] = {}

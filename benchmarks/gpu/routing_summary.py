@@ -56,6 +56,7 @@ def run_figures(r: dict) -> dict:
     return {"tok_s": c.get("output_tok_s"), "p50": c.get("ttft_p50_ms"), "p99": c.get("ttft_p99_ms"),
             "tpot": c.get("tpot_mean_ms"), "hits": int(hits) if hits is not None else None, "best": best,
             "frac": (hits / best) if hits is not None and best else None, "failed": c.get("failed"),
+            "lru": (hits / c["lru_hit_tokens"]) if hits is not None and c.get("lru_hit_tokens") else None,
             "ok": c.get("ok"), "split": "/".join(str(int(s)) for s in split if s is not None),
             "preempt": m.get("num_preemptions"), "hit_rate": m.get("hit_rate")}
 
@@ -137,13 +138,16 @@ def workload_tables(rows: list[dict], wl: str) -> tuple[list[str], dict]:
     by_policy: dict[str, list] = {}
     for r in runs:
         by_policy.setdefault(r.get("policy"), []).append(run_figures(r))
-    out += ["| policy | hits / best: mean (range) | output tok/s: mean (range) |", "|---|---|---|"]
+    # hits / LRU: against the same cache evicting as the engines do (prefix_client's lru_hit_tokens)
+    out += ["| policy | hits / best: mean (range) | hits / LRU: mean (range) | output tok/s: mean (range) |",
+            "|---|---|---|---|"]
     for pol, figs in by_policy.items():
         fracs = [f["frac"] for f in figs if f["frac"] is not None]
+        lrus = [f["lru"] for f in figs if f["lru"] is not None]
         toks = [f["tok_s"] for f in figs if f["tok_s"]]
         tok = (f"{statistics.mean(toks):,.1f} ({min(toks):,.1f}-{max(toks):,.1f})" if len(toks) > 1
                else fmt(toks[0]) if toks else "-")
-        out.append(f"| {name(pol)} | {ratio_stats(fracs)} | {tok} |")
+        out.append(f"| {name(pol)} | {ratio_stats(fracs)} | {ratio_stats(lrus)} | {tok} |")
     out.append("")
     fr = [run_figures(r)["frac"] for r in runs if r.get("policy") == HPS and run_figures(r)["frac"] is not None]
     if fr:
