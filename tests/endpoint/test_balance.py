@@ -374,3 +374,15 @@ def test_the_routing_log_says_what_each_replica_held_and_where_the_request_went(
     assert lines[0]["seen"] == {"http://a": [0.0, 0, 0.0], "http://b": [0.0, 0, 0.0]}
     held, in_flight, fill = lines[1]["seen"][first.url]
     assert held >= 0.5 and in_flight == 0 and fill > 0  # seen before the choice: the prefix sent there
+
+
+def test_a_drained_backend_that_comes_back_is_no_longer_handed_over():
+    """Handed over (its streams move away), then back in the pool before its last request ended: new
+    streams there stay (before, they moved away at their first chunk)."""
+    pool = pool_of(BackendSpec("http://a"), BackendSpec("http://b"))
+    b = pool.by_url["http://b"]
+    b.in_flight = 1  # a request still runs there: kept while it does
+    pool.update([BackendSpec("http://a")])
+    b.handing_over = True  # POST /handover
+    pool.update([BackendSpec("http://a"), BackendSpec("http://b")])
+    assert pool.by_url["http://b"] is b and b.in_flight == 1 and not b.handing_over

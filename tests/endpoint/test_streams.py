@@ -28,11 +28,13 @@ ROUTE = {kind: route for route, kind in m.ROUTES.items()}
 class Engines:
     """Two stand-in engines on one event loop in a thread. `failure`: what the next first attempt (a
     client's request, not a continuation) does after `after` events: drop (the connection cut), error (an
-    error event, then the end), eof (the stream closed without [DONE]); `continuation_failure`: what
-    every continuation does."""
+    error event, then the end), eof (the stream closed without [DONE]), stall (nothing more until
+    release_stall(); `stalled` says which port); `continuation_failure`: what every continuation does."""
 
     def __init__(self):
         self.failure, self.after, self.continuation_failure = None, 4, None
+        self.stalled: int | None = None
+        self.unstall: asyncio.Event | None = None
         self.loop = asyncio.new_event_loop()
         self.ports = [free_port(), free_port()]
         self.served: list[tuple[int, str]] = []  # (port, "first" or "continuation")
@@ -86,6 +88,11 @@ class Engines:
                 if failure == "drop":
                     request.transport.abort()
                     return response
+                if failure == "stall":
+                    self.unstall = asyncio.Event()
+                    self.stalled = request.url.port
+                    await self.unstall.wait()
+                    return response
                 if failure == "error":
                     await response.write(b'data: {"error": {"message": "EngineCore encountered an issue", '
                                          b'"type": "InternalServerError", "code": 500}}\n\ndata: [DONE]\n\n')
@@ -95,7 +102,12 @@ class Engines:
             await asyncio.sleep(0.002)
         return response
 
+    def release_stall(self) -> None:
+        if self.unstall is not None:
+            self.loop.call_soon_threadsafe(self.unstall.set)
+
     def close(self) -> None:
+        self.release_stall()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
 
@@ -177,3 +189,32 @@ def test_a_request_that_cannot_migrate_is_passed_on_as_it_is(engines, plane):
     stream = client_stream(plane, m.Kind.COMPLETION, body)
     sent = [json.loads(e[6:]) for e in events_of(stream) if e.startswith(b"data: {")]
     assert sent and all(c["token_ids"] is None for e in sent for c in e["choices"])
+
+
+def test_a_handover_moves_a_stream_whose_engine_has_stalled_at_once(engines, plane):
+    """A stream whose engine sends nothing more (stalled, or busy prefilling others) moves the moment its
+    replica is handed over, as the controller does it (out of the pool, then POST /handover), not at the
+    engine's next chunk: before, it waited for a chunk that did not come."""
+    both_healthy(plane)
+    engines.failure, engines.after, engines.stalled = "stall", 5, None
+    before = len(plane.migrations(0))
+    body, got = client_body(m.Kind.COMPLETION), {}
+    reader = threading.Thread(target=lambda: got.update(summary(client_stream(plane, m.Kind.COMPLETION, body),
+                                                                m.Kind.COMPLETION)))
+    reader.start()
+    stalled = None
+    try:
+        wait_until(lambda: engines.stalled is not None, 10, "the engine stalled mid-stream")
+        stalled = f"http://127.0.0.1:{engines.stalled}"
+        plane.remove(stalled, drain_s=0, hand_over=True)
+        reader.join(20)
+        assert not reader.is_alive(), "the stream still waits for its stalled engine"
+    finally:
+        engines.release_stall()
+        reader.join(20)
+        if stalled is not None:
+            plane.add(stalled)
+    want = uninterrupted(m.Kind.COMPLETION, body)
+    assert {k: got[k] for k in ("text", "ids", "finish", "done")} == {k: want[k] for k in ("text", "ids", "finish", "done")}
+    moved = plane.migrations(0)[before:]
+    assert [(m_["cause"], m_["from"], m_["to"] is not None) for m_ in moved] == [("handover", stalled, True)]

@@ -184,7 +184,10 @@ class Pool:
                 self.retired[url] = gone
         active = []
         for spec in specs:
-            backend = self.by_url.get(spec.url) or self.retired.pop(spec.url, None) or Backend(spec.url, spec.capacity)
+            backend = self.by_url.get(spec.url)
+            if backend is None:  # joins, or comes back before its drained requests ended: no longer drained
+                backend = self.retired.pop(spec.url, None) or Backend(spec.url, spec.capacity)
+                backend.handing_over = False
             backend.capacity, backend.saturated = spec.capacity, spec.saturated
             self.by_url[spec.url] = backend
             self.index.set_limit(spec.url, spec.kv_tokens)

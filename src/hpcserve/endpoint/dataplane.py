@@ -107,6 +107,7 @@ class DataPlane:
         self.prefix = settings.policy is Routing.PREFIX
         self.urls: dict[tuple[str, str], URL] = {}  # (backend, path) -> parsed URL: a few paths are most requests
         self.migration_log: deque[Migration] = deque(maxlen=MIGRATION_LOG)
+        self.streams: set = set()  # streams.Stream open now: a handover moves them at once
         self.choose = RoutingLog(settings.routing_log).choose if settings.routing_log and self.prefix else choose
 
     async def open(self) -> None:

@@ -88,6 +88,8 @@ class Admin:
             if backend is not None:
                 backend.handing_over = True
                 marked.append(url)
+        for stream in [s for s in self.plane.streams if s.backend.handing_over]:
+            stream.hand_over_now()  # each moves now, not at its engine's next chunk
         return web.json_response({"handing_over": marked})
 
     async def get_migrations(self, request: web.Request) -> web.Response:

@@ -10,7 +10,9 @@ the client no half event. What caused a migration:
                marked failed, as a refused connection is)
     error      the engine sent an error event or finished the choice with "abort" (it lives: not marked)
     handover   the controller drains the replica (its job ends, a scale-down, `down --member`): its open
-               streams move now instead of being waited out; one that cannot move finishes where it is
+               streams move now instead of being waited out, each at once (Stream.hand_over_now: an
+               engine that has stalled, or is busy prefilling others, may send no next chunk for
+               seconds or ever); one that cannot move finishes where it is
 The continuation goes to the replica balance.choose picks among those not yet tried for this request, at
 most settings.migrations times; every migration, and every stream that could not be migrated, is counted
 (/metrics) and listed on the admin socket (GET /migrations: the controller writes them into its decisions).
@@ -80,17 +82,24 @@ class Stream:
         self.migrations = 0
         self.done = False  # [DONE] passed on
         self.stays = False  # handed over but not migratable: finishes where it is
+        self.upstream: aiohttp.ClientResponse | None = None  # the engine's response being read; None while moving
+        self.leaving = False  # handed over at once: the upstream was closed under the read
 
     async def run(self, upstream: aiohttp.ClientResponse, chunk: bytes) -> None:
         """Until the client has the whole answer. ConnectionError: cut (the client sees its stream end
         early, as without migration). Whatever ends it early closes the engine's connection (vLLM aborts)."""
+        self.plane.streams.add(self)
         try:
             while True:
                 try:
+                    self.upstream = upstream
                     await self.pass_on(upstream, chunk)
                     return
                 except StreamFailed as failed:
                     upstream.close()
+                    self.upstream = None
+                    if self.leaving:  # the read ended because hand_over_now closed it: not a failure
+                        failed, self.leaving = StreamFailed("handover"), False
                     moved = await self.migrate(failed)
                     if moved is None:
                         return
@@ -99,6 +108,7 @@ class Stream:
                     self.refused("continuation", exc.reason)
                     raise ConnectionError(f"the continuation on {self.backend.url} was cut: {exc.reason}") from exc
         finally:
+            self.plane.streams.discard(self)
             upstream.close()  # released already when it ended whole; closed (engine aborts) otherwise
 
     async def pass_on(self, upstream: aiohttp.ClientResponse, chunk: bytes) -> None:
@@ -147,6 +157,20 @@ class Stream:
             return self.continuation.feed(event)  # CannotMigrate: the stream is cut (ConnectionError)
         self.record.add(event)
         return strip_ids(event) if self.request.strip_ids else event
+
+    def hand_over_now(self) -> None:
+        """Its replica was just handed over: move now rather than at the engine's next chunk (closing the
+        engine's response ends the read that waits for it; the engine aborts the request), or, where the
+        stream cannot move, finish where it is."""
+        if self.upstream is None or self.stays or self.leaving or self.done:
+            return  # moving already, staying, or complete: its end is on its way
+        reason = why_not(self.request, self.current_progress(), self.migrations, self.plane.settings.migrations)
+        if reason is not None:
+            self.stays = True
+            self.refused("handover", reason)
+            return
+        self.leaving = True
+        self.upstream.close()
 
     def check_handover(self) -> None:
         """The replica is drained: move now if the stream can, else let it finish there."""
