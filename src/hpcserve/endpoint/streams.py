@@ -164,21 +164,22 @@ class Stream:
         stream cannot move, finish where it is."""
         if self.upstream is None or self.stays or self.leaving or self.done:
             return  # moving already, staying, or complete: its end is on its way
+        if self.may_leave():
+            self.leaving = True
+            self.upstream.close()
+
+    def check_handover(self) -> None:
+        """The replica is drained (seen at a chunk): move now if the stream can, else let it finish there."""
+        if self.may_leave():
+            raise StreamFailed("handover")
+
+    def may_leave(self) -> bool:
+        """Whether a handed-over stream can move; one that cannot stays where it is, and that is on record."""
         reason = why_not(self.request, self.current_progress(), self.migrations, self.plane.settings.migrations)
         if reason is not None:
             self.stays = True
             self.refused("handover", reason)
-            return
-        self.leaving = True
-        self.upstream.close()
-
-    def check_handover(self) -> None:
-        """The replica is drained: move now if the stream can, else let it finish there."""
-        reason = why_not(self.request, self.current_progress(), self.migrations, self.plane.settings.migrations)
-        if reason is None:
-            raise StreamFailed("handover")
-        self.stays = True
-        self.refused("handover", reason)
+        return reason is None
 
     def current_progress(self):
         if self.progress is None:
