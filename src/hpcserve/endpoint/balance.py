@@ -68,6 +68,11 @@ class Affinity:
     tokens: list[int] | None = None
     by_size: dict[int, list[int]] = field(default_factory=dict)  # token blocks per block size, made once
 
+    @property
+    def has_prompt(self) -> bool:
+        """Whether there is a prompt to route by (and to record where it went)."""
+        return bool(self.blocks or self.tokens)
+
     def token_blocks(self, size: int) -> list[int]:
         blocks = self.by_size.get(size)
         if blocks is None:
@@ -265,11 +270,10 @@ def choose(pool: Pool, policy: Routing, affinity: Affinity | None, now: float,
         preferred = pool.ring.owner(affinity.session, eligible)
         if preferred is not None and within_share(preferred, eligible):
             chosen = preferred
-    elif affinity.blocks or affinity.tokens:
+    elif affinity.has_prompt:
         chosen = cache_holder(pool, eligible, affinity, pool.turn, now)
     if chosen is None:
-        prompt = affinity.blocks or affinity.tokens
-        chosen = roomiest(pool, eligible, pool.turn, now) if prompt else least_loaded(eligible, pool.turn)
+        chosen = roomiest(pool, eligible, pool.turn, now) if affinity.has_prompt else least_loaded(eligible, pool.turn)
     record(pool, chosen.url, affinity, now)
     return chosen
 

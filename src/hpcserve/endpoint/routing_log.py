@@ -37,7 +37,7 @@ class RoutingLog:
     def choose(self, pool: Pool, policy: Routing, affinity: Affinity | None, now: float,
                tried: tuple[Backend, ...] = ()) -> Backend | None:
         """balance.choose, written down."""
-        if affinity is None or not (affinity.blocks or affinity.tokens):
+        if affinity is None or not affinity.has_prompt:
             return choose(pool, policy, affinity, now, tried)
         before = seen(pool, affinity, now)
         chosen = choose(pool, policy, affinity, now, tried)

@@ -87,7 +87,7 @@ class Peers:
             for sock in self.sockets:
                 self.heard(sock, pool)
             backend = choose(pool, policy, affinity, now, tried)
-            if backend is not None and affinity is not None and (affinity.blocks or affinity.tokens):
+            if backend is not None and affinity is not None and affinity.has_prompt:
                 self.tell(backend.url, affinity)
             return backend
 
