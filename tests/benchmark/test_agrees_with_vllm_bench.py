@@ -172,7 +172,8 @@ def _rates_within(spans: list[tuple[float, float, int, float]], window: tuple[fl
     """Requests/s and output tokens/s inside the window, each request counted by the share of its span inside;
     TTFT of the requests sent inside it."""
     begin, end = window
-    shares = [(max(0.0, min(stop, end) - max(start, begin)) / (stop - start), tokens) for start, stop, tokens, _ in spans]
+    shares = [(max(0.0, min(stop, end) - max(start, begin)) / (stop - start), tokens)
+              for start, stop, tokens, _ in spans]
     ttfts_ms = [1000.0 * ttft for start, _, _, ttft in spans if begin <= start <= end]
     return {"req_s": sum(share for share, _ in shares) / (end - begin),
             "out_tok_s": sum(share * tokens for share, tokens in shares) / (end - begin),
@@ -228,6 +229,6 @@ def test_throughput_and_ttft_agree_with_vllm_bench_serve(vllm_server, tmp_path):
     # 5 pairs each, 3 runs); as a process of its own, per-pair ratios 1.22, 0.82, 1.13 (CI's run of
     # 2026-12-03, median 1.13, while throughput agreed to 1.6 %). Whole runs against ours in the window (vllm
     # bench alone at its start and end): pairs 1.45, 1.39, 0.99 (a clean clone, 2026-12-05); both in the
-    # window: 0.985, 0.881, 0.956 and a median 0.999 (idle machine). A wrong clock is off by far more: to the
-    # last token instead of the first is about 30 decode steps, several times the TTFT.
+    # window, two runs on an idle machine: medians 0.999 and 0.956 (pairs 0.985, 0.881, 0.956). A wrong clock
+    # is off by far more: to the last token instead of the first is about 30 decode steps, several times the TTFT.
     assert 0.6 <= ratios["ttft_p50_ms"] <= 1.35, f"ttft_p50_ms: hpcserve/vllm = {ratios['ttft_p50_ms']:.3f}"
