@@ -40,7 +40,8 @@
 #   hps:prefix direct; ROUTING_POLICIES_<WORKLOAD> (e.g. ROUTING_POLICIES_FIT="hps:prefix round_robin") changes it.
 #   hps:POLICY@TAG: the data plane from the src folder in $ROUTING_SRC_<TAG> (e.g. hps:prefix@old with
 #   ROUTING_SRC_OLD=/tmp/hps-e6656f5/src: another commit's data plane in the same rounds; replicas stay as started)
-#   and/or with $ROUTING_WORKERS_<TAG> workers (e.g. hps:prefix@w1 with ROUTING_WORKERS_W1=1).
+#   and/or with $ROUTING_WORKERS_<TAG> workers (e.g. hps:prefix@w1 with ROUTING_WORKERS_W1=1), and/or with
+#   $ROUTING_ARGS_<TAG> added to its arguments (e.g. hps:prefix@a0 with ROUTING_ARGS_A0="--admit-kv-share 0").
 # Every run: a fresh router, both replicas' prefix caches reset (POST /reset_prefix_cache), their /metrics
 # before and after (prefix_cache_hits/queries in tokens, the client's 8 warm-ups included), the client's
 # best_hit_tokens (what an oracle router could hit on what was sent; prefix_client.py says how).
@@ -173,10 +174,12 @@ default_policies() {
 }
 
 N_RUN=0
-use_src() { # TAG: this run's data plane from $ROUTING_SRC_<TAG>, with $ROUTING_WORKERS_<TAG> (run_one's locals)
-  local var="ROUTING_SRC_${1^^}" wvar="ROUTING_WORKERS_${1^^}"
-  [ -n "${!var:-}${!wvar:-}" ] || { log "hps@$1: neither $var nor $wvar set"; HPS_OK=0; return; }
+use_src() { # TAG: this run's data plane from $ROUTING_SRC_<TAG>, with $ROUTING_WORKERS_<TAG> workers and
+  # $ROUTING_ARGS_<TAG> added to its arguments (run_one's locals)
+  local var="ROUTING_SRC_${1^^}" wvar="ROUTING_WORKERS_${1^^}" avar="ROUTING_ARGS_${1^^}"
+  [ -n "${!var:-}${!wvar:-}${!avar:-}" ] || { log "hps@$1: none of $var, $wvar, $avar set"; HPS_OK=0; return; }
   SRC=${!var:-$SRC}; ROUTING_HPS_WORKERS=${!wvar:-$ROUTING_HPS_WORKERS}; HPS_OK=0; hps_check; hps_features
+  BENCH_HPS_ARGS="$BENCH_HPS_ARGS ${!avar:-}"
 }
 
 run_one() { # WORKLOAD POLICY SEED ROUND: one run; WALL = its seconds

@@ -16,14 +16,13 @@ Admin (the Unix socket S: mode 0600 in an owner-only folder, and the peer's uid 
 who started the endpoint can change what it serves. Never on the client port (404 there). Its routes:
 endpoint/plane_admin.py.
 Failures. A connection refused before the request was sent goes to another backend (at most --tries
-attempts) and keeps that backend out for --failed-s; a connection dropped after it was sent (the engine
-may have it) is sent again at most --resends times. Once the client got a byte, a stream whose replica
-fails (or is drained) continues on another replica from the tokens already sent, at most --migrations
-times (endpoint/streams.py); nothing else is retried then. An engine's 5xx is passed on and changes
-nothing else. A client that leaves closes the engine's connection
-at once, before the first chunk too (vLLM then aborts the request).
+attempts) and keeps that backend out for --failed-s; one dropped after it was sent (the engine may have
+it) is sent again at most --resends times. Once the client got a byte, a stream whose replica fails (or is
+drained) continues on another replica, at most --migrations times (endpoint/streams.py); nothing else is
+retried then. An engine's 5xx is passed on. A client that leaves closes the engine's connection at once.
 While no backend can take a request (the pool empty during a handover, the one replica being replaced),
 requests are held up to --hold-s and sent on as soon as one is added; then 503 JSON with Retry-After.
+Prefills wait while prompts in flight take the replicas' KV caches (endpoint/admission.py).
 Bounds: body size (413), header and body read times against slow clients, open connections (503 at
 accept), the wait for an engine's first byte and its silences between chunks (504 / a cut stream), and a
 malformed request gets a JSON 4xx while the server serves on.
@@ -51,6 +50,7 @@ from hpcserve.core.errors import HpcserveError
 from hpcserve.core.keys import KeyCheck, read_key_file
 from hpcserve.core.statuses import Routing
 from hpcserve.endpoint import wire
+from hpcserve.endpoint.admission import Admission
 from hpcserve.endpoint.balance import Affinity, Backend, Pool, choose
 from hpcserve.endpoint.kv_feed import Feeds
 from hpcserve.endpoint.migration import Request as Migratable, prepare
@@ -108,6 +108,7 @@ class DataPlane:
         self.urls: dict[tuple[str, str], URL] = {}  # (backend, path) -> parsed URL: a few paths are most requests
         self.migration_log: deque[Migration] = deque(maxlen=MIGRATION_LOG)
         self.streams: set = set()  # streams.Stream open now: a handover moves them at once
+        self.admission = Admission(self.pool, settings.admit_kv_share if self.prefix else 0.0, settings.workers)
         self.choose = RoutingLog(settings.routing_log).choose if settings.routing_log and self.prefix else choose
 
     async def open(self) -> None:
@@ -169,7 +170,8 @@ class DataPlane:
         if migrates and data is not None:  # a stream that may continue elsewhere asks for its token ids
             prepared = prepare(target, body, data)
             body, migratable = prepared.body, prepared.request
-        return await self.forward(request, target, body, headers, affinity, migratable)
+        async with self.admission.turn(affinity):
+            return await self.forward(request, target, body, headers, affinity, migratable)
 
     async def read_body(self, request: web.BaseRequest) -> bytes | None:
         if not request.body_exists:
@@ -302,8 +304,8 @@ class DataPlane:
         return response
 
     def read_whole(self, request: web.BaseRequest, upstream: aiohttp.ClientResponse) -> bool:
-        """Whether the answer is read whole before it is passed on (a length within max_buffer_bytes, or no
-        body): such an answer can still go to another backend if the connection drops."""
+        """Whether the answer is read whole (a length within max_buffer_bytes, or no body): it can still go
+        to another backend if the connection drops."""
         if request.method == "HEAD" or upstream.status in (204, 304):
             return True
         length = upstream.content_length

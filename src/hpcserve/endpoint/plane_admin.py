@@ -33,7 +33,7 @@ class Admin:
         plane = self.plane
         now, limits = time.monotonic(), plane.pool.index.limits
         return {"policy": str(plane.settings.policy), "hold_s": plane.settings.hold_s, "held": plane.stats.held,
-                "workers": 1,
+                "workers": 1, "waiting": len(plane.admission.waiting),
                 "backends": [{**BackendSpec(b.url, b.capacity, b.saturated).to_json(), "in_flight": b.in_flight,
                               "failed": b.failed_until > now, "requests": b.requests, "failures": b.failures,
                               "index_blocks": len(plane.pool.index.held.get(b.url) or ()),
@@ -55,6 +55,7 @@ class Admin:
     def refresh_stats(self) -> Stats:
         plane = self.plane
         plane.stats.index_blocks = plane.pool.index.entries()
+        plane.stats.admission_waits, plane.stats.admission_waiting = plane.admission.waits, len(plane.admission.waiting)
         if plane.feeds is not None:
             plane.stats.kv_events, plane.stats.kv_event_gaps = plane.feeds.stats.events, plane.feeds.stats.gaps
             plane.stats.kv_feeds_live = len(plane.pool.exact)
@@ -75,6 +76,7 @@ class Admin:
             plane.feeds.sync()
         plane.changed.set()  # held requests look again (a backend may have joined or recovered)
         plane.changed = asyncio.Event()
+        plane.admission.admit()  # the budget changed with the caches
         return web.json_response(self.backends_json())
 
     async def post_handover(self, request: web.Request) -> web.Response:

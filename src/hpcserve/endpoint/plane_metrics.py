@@ -22,7 +22,9 @@ COUNTERS = (("holds", "Requests held while no backend could take them"),
             ("migrations", "Streams continued on another replica after theirs failed or was drained"),
             ("migrations_refused", "Streams that could not be continued elsewhere (cut, or finished where they were)"),
             ("kv_events", "KV-cache events received from the engines (each worker follows every engine)"),
-            ("kv_event_gaps", "Breaks in an engine's KV events (batches lost): that replica's exact index began again"))
+            ("kv_event_gaps", "Breaks in an engine's KV events (batches lost): that replica's exact index began again"),
+            ("admission_waits", "Requests that waited while prompts in flight took the replicas' KV caches "
+             "(endpoint/admission.py)"))
 NAMES = {"malformed": "malformed_requests"}
 
 
@@ -45,6 +47,8 @@ class Stats:
     kv_events: int = 0  # set when read, from the feeds (kv_feed)
     kv_event_gaps: int = 0
     kv_feeds_live: int = 0
+    admission_waits: int = 0  # set when read, from the admission (admission.py)
+    admission_waiting: int = 0
 
     def done(self, status: int, seconds: float) -> None:
         self.codes[status] = self.codes.get(status, 0) + 1
@@ -107,6 +111,8 @@ class Collector:
         for name, doc in COUNTERS:
             yield CounterMetricFamily(f"hpcserve_router_{NAMES.get(name, name)}", doc, value=getattr(stats, name))
         yield GaugeMetricFamily("hpcserve_router_held", "Requests held now", value=stats.held)
+        yield GaugeMetricFamily("hpcserve_router_admission_waiting", "Requests waiting now for room in the "
+                                "replicas' KV caches", value=stats.admission_waiting)
         yield GaugeMetricFamily("hpcserve_router_prefix_index_blocks", "Prompt blocks the routing index holds "
                                 "(summed over workers: each keeps its own copy)", value=stats.index_blocks)
         yield GaugeMetricFamily("hpcserve_router_kv_feeds_live", "Engines whose KV events are followed now "

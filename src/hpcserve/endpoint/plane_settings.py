@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpcserve.core.statuses import Routing
+from hpcserve.endpoint.admission import DEFAULT_SHARE
 from hpcserve.endpoint.plane_server import connection_cap
 from hpcserve.endpoint.wire import MODULE
 
@@ -39,6 +40,7 @@ class Settings:
     tokenizer: Path | None = None  # the model folder: prompts as token ids, to match the engines' KV events
     chat_template: Path | None = None  # the engines' --chat-template, where it replaces the model's
     routing_log: Path | None = None  # the prefix policy's choices, one JSON line each (routing_log.py)
+    admit_kv_share: float = DEFAULT_SHARE  # prompts in flight above this share of the KV caches: prefills wait
 
 
 def parse_args(argv: list[str], description: str = "") -> Settings:
@@ -73,6 +75,10 @@ def parse_args(argv: list[str], description: str = "") -> Settings:
                         "model folder's")
     parser.add_argument("--routing-log", type=Path, help="append the prefix policy's choices here, one JSON line "
                         "each: what each replica held of the prompt, and where it went (a diagnosis: off by default)")
+    parser.add_argument("--admit-kv-share", type=float, default=d.admit_kv_share,
+                        help="the prefix policy with KV events: while the prompts in flight take more than this share "
+                        "of the replicas' KV caches, new prefills wait and those whose prefix is cached go first "
+                        "(endpoint/admission.py; 0: never wait)")
     args = parser.parse_args(argv)
     if args.hold_s < 0 or args.tries < 1 or args.resends < 0 or args.max_connections < 1 or args.max_body_mb <= 0:
         parser.error("--hold-s and --resends must be >= 0, --tries and --max-connections >= 1, --max-body-mb > 0")
@@ -81,6 +87,8 @@ def parse_args(argv: list[str], description: str = "") -> Settings:
                      "--max-buffer-mb >= 0")
     if args.migrations < 0:
         parser.error("--migrations must be >= 0")
+    if not 0 <= args.admit_kv_share <= 1:
+        parser.error("--admit-kv-share must be from 0 (never wait) to 1")
     if not 1 <= args.workers <= MAX_WORKERS:
         parser.error(f"--workers must be from 1 to {MAX_WORKERS}")
     return Settings(args.host, args.port, args.key_file, args.admin_socket.absolute(), Routing(args.policy),
@@ -90,4 +98,4 @@ def parse_args(argv: list[str], description: str = "") -> Settings:
                     body_timeout_s=args.body_timeout_s, connect_timeout_s=args.connect_timeout_s,
                     first_byte_timeout_s=args.first_byte_timeout_s, read_timeout_s=args.read_timeout_s,
                     workers=args.workers, tokenizer=args.tokenizer, chat_template=args.chat_template,
-                    migrations=args.migrations, routing_log=args.routing_log)
+                    migrations=args.migrations, routing_log=args.routing_log, admit_kv_share=args.admit_kv_share)

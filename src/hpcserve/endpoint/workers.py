@@ -314,11 +314,12 @@ class Supervisor:
 
 
 def merged_json(parts: list[dict]) -> dict:
-    """One GET /backends answer from the workers' (held and in-flight counts summed). Pure."""
+    """One GET /backends answer from the workers' (held, waiting and in-flight counts summed). Pure."""
     if not parts:
         return {"backends": [], "retired": [], "held": 0, "workers": 0}
     first = parts[0]
-    return {**first, "held": sum(p.get("held", 0) for p in parts), "workers": len(parts),
+    return {**first, "held": sum(p.get("held", 0) for p in parts), "waiting": sum(p.get("waiting", 0) for p in parts),
+            "workers": len(parts),
             "backends": merged_backends([p.get("backends", []) for p in parts]),
             "retired": merged_backends([p.get("retired", []) for p in parts])}
 

@@ -1,0 +1,110 @@
+"""Admission (endpoint/admission.py): while prompts in flight take the replicas' KV caches, new prefills
+wait and a request whose prefix a replica holds goes first. The order (pure), and the waiting itself with
+asyncio. On real engines through the data plane: tests/endpoint/test_router_vllm.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from hpcserve.endpoint.admission import AGE_S, Admission, next_admitted
+from hpcserve.endpoint.balance import Affinity, BackendSpec, Pool
+from hpcserve.endpoint.prefix_index import prompt_blocks
+
+A, B, C = "http://10.0.0.1:8001", "http://10.0.0.2:8001", "http://10.0.0.3:8001"
+
+
+def test_a_held_prefix_goes_first_then_the_oldest_that_fits():
+    now = 100.0
+    waiting = [(600, False, now - 1), (50, True, now - 0.5), (40, True, now)]
+    assert next_admitted(waiting, room=100, idle=False, now=now) == 1  # the first held prefix that fits
+    assert next_admitted(waiting, room=45, idle=False, now=now) == 2
+    assert next_admitted(waiting, room=30, idle=False, now=now) is None  # nothing fits: all wait
+    assert next_admitted([(600, False, now), (700, False, now)], room=650, idle=False, now=now) == 0  # in order
+    assert next_admitted([(700, False, now), (600, False, now)], room=650, idle=False, now=now) is None
+    assert next_admitted([(5000, False, now)], room=10, idle=True, now=now) == 0  # nothing in flight: it goes
+    assert next_admitted([], room=10, idle=True, now=now) is None
+
+
+def test_a_request_that_waited_long_goes_before_held_prefixes():
+    now = 100.0
+    waiting = [(600, False, now - AGE_S), (50, True, now)]
+    assert next_admitted(waiting, room=100, idle=False, now=now) is None  # the old one waits for its room
+    assert next_admitted(waiting, room=600, idle=False, now=now) == 0
+
+
+def pool(kv_tokens: int | None = 1000) -> Pool:
+    p = Pool()
+    p.update([BackendSpec(A, kv_tokens=kv_tokens), BackendSpec(B, kv_tokens=kv_tokens)])
+    return p
+
+
+def prompt(text: str, tokens: int = 400) -> Affinity:
+    """A prompt of `tokens` token ids whose text blocks the approximate index matches."""
+    return Affinity(blocks=prompt_blocks(text.encode()), tokens=list(range(tokens)))
+
+
+def test_waiting_in_turn_with_held_prefixes_first():
+    async def scenario():
+        plane_pool = pool()
+        admission = Admission(plane_pool, share=0.25, workers=1)  # 500 prefill tokens in flight
+        assert admission.budget() == 500
+        first = await admission.enter(prompt("one " * 400))
+        assert first.cost == 400
+        waiting_miss = asyncio.create_task(admission.enter(prompt("two " * 400)))
+        await asyncio.sleep(0)
+        assert not waiting_miss.done() and len(admission.waiting) == 1
+        plane_pool.index.record(A, prompt_blocks(("three " * 400).encode()))  # held by replica A
+        held = await asyncio.wait_for(admission.enter(prompt("three " * 400)), 5)  # passes the miss that waits
+        assert held.cost == 0 and not waiting_miss.done()
+        admission.leave(first)
+        second = await asyncio.wait_for(waiting_miss, 5)
+        assert second.cost == 400 and admission.in_flight == 400 and admission.waits == 1
+        admission.leave(second)
+        admission.leave(held)
+        assert admission.in_flight == 0 and admission.admitted == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_client_that_leaves_while_waiting_charges_nothing():
+    async def scenario():
+        admission = Admission(pool(), share=0.25)
+        first = await admission.enter(prompt("one " * 400))
+        gone = asyncio.create_task(admission.enter(prompt("two " * 400)))
+        await asyncio.sleep(0)
+        gone.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        assert not admission.waiting
+        admission.leave(first)
+        assert admission.in_flight == 0 and admission.admitted == 0
+
+    asyncio.run(scenario())
+
+
+def test_no_waiting_without_cache_sizes_or_token_ids_and_all_go_when_sizes_go():
+    async def scenario():
+        unknown = Admission(pool(kv_tokens=None), share=0.25)
+        assert unknown.budget() is None
+        assert [(await unknown.enter(prompt(f"{i} " * 400))).cost for i in range(5)] == [0] * 5
+        off = Admission(pool(), share=0.0)
+        assert off.budget() is None
+        sized = pool()
+        admission = Admission(sized, share=0.25)
+        await admission.enter(Affinity(blocks=prompt_blocks(b"x" * 4000)))  # no token ids: never waits
+        await admission.enter(prompt("one " * 400))
+        late = asyncio.create_task(admission.enter(prompt("two " * 400)))
+        await asyncio.sleep(0)
+        assert not late.done()
+        sized.update([BackendSpec(A, kv_tokens=1000), BackendSpec(B, kv_tokens=1000), BackendSpec(C)])
+        admission.admit()  # a replica joined whose cache size is not known: admission is off
+        assert (await asyncio.wait_for(late, 5)).cost == 0
+
+    asyncio.run(scenario())
+
+
+def test_each_worker_admits_against_its_share_of_the_caches():
+    assert Admission(pool(), share=0.5, workers=2).budget() == 500
+    assert Admission(pool(), share=1.0, workers=4).budget() == 500
