@@ -23,7 +23,7 @@ from router_fixtures import KEY, headers, key_file, run_load, stream_times, stre
 from hpcserve.core.statuses import Routing
 from hpcserve.endpoint.router import Router
 from hpcserve.engine.args import KEY_GUARD, KV_EVENTS_RELAY
-from hpcserve.engine.client import completion_probe
+from hpcserve.engine.client import completion_probe, kv_cache_size
 from hpcserve.engine.kv_events import HEARTBEAT_SEQ, RELAY_PATH, FrameReader, decode_batch
 from hpcserve.testing.harness import wait_until
 
@@ -192,6 +192,61 @@ def test_prefix_routing_follows_what_the_engines_hold(engines):
         wait_until(lambda: held()[first] == 0 and held()[other] > 0, 10, "the reset and the other engine's blocks")
         assert post(router.url).status_code == 200
         assert sent() == {first: 1, other: 1}, sent()
+    finally:
+        router.stop()
+        router.close()
+
+
+def test_prefills_wait_while_the_caches_are_taken_and_held_prefixes_go_first(engines):
+    """Admission on real engines (endpoint/admission.py): each engine's KV cache size read from its /metrics
+    (as the controller's join does), the data plane allowed ~1.4 prompts of prefill in flight. A long stream
+    (A) is under way; another prompt (B) then waits in the data plane; a repeat of A's prompt (C) passes it
+    and is answered while B still waits; B goes once A ends."""
+    started, directory = engines
+    urls = [url for _, url in started]
+    from hpcserve.models.tiny import tiny_model_path
+
+    sizes = {url: kv_cache_size(url, KEY) for url in urls}
+    assert all(isinstance(size, int) and size > 0 for size in sizes.values()), sizes
+    share = 450 / sum(sizes.values())  # prompts of ~321 tokens: A and C fit, A and B do not
+    router = Router("127.0.0.1", free_port(), key_file(directory), directory / "router-admit.log", model=MODEL,
+                    policy=Routing.PREFIX, admin_socket=directory / "admit" / "admin.sock",
+                    options=["--tokenizer", str(tiny_model_path()), "--admit-kv-share", f"{share:.9f}"])
+    try:
+        router.start([])
+        router.apply(add=urls, kv_tokens=sizes)
+        answer = router.backends_json()
+        assert {b["url"]: b.get("kv_tokens") for b in answer["backends"]} == sizes
+        live = lambda: [b.get("kv_events") for b in router.backends_json()["backends"]] == ["live", "live"]  # noqa: E731
+        wait_until(live, 30, "both engines' KV events followed")
+        waiting = lambda: router.backends_json()["waiting"]  # noqa: E731
+        text_a = "a prompt of several blocks " * 20
+        under_way, ended = threading.Event(), {}
+
+        def send(name: str, body: dict) -> None:
+            if body.get("stream"):
+                streamed(router.url, body, under_way=under_way)
+            else:
+                assert httpx.post(f"{router.url}/v1/completions", json=body, headers=headers(),
+                                  timeout=120).status_code == 200
+            ended[name] = time.monotonic()
+
+        a = threading.Thread(target=send, args=("A", {"model": MODEL, "prompt": text_a, "max_tokens": 1700,
+                                                        "ignore_eos": True, "stream": True}))
+        a.start()
+        assert under_way.wait(60), "A's stream did not start"
+        b = threading.Thread(target=send, args=("B", {"model": MODEL, "max_tokens": 1,
+                                                        "prompt": "another text of many words " * 20}))
+        b.start()
+        wait_until(lambda: waiting() == 1, 10, "B waiting in the data plane")
+        send("C", {"model": MODEL, "prompt": text_a + "and one more question", "max_tokens": 1})
+        assert "A" not in ended, "A ended before C was answered: the test needs a longer stream"
+        assert waiting() == 1 and "B" not in ended  # C went before B, which still waits for room
+        a.join(120)
+        b.join(120)
+        assert ended["B"] >= ended["A"] > ended["C"]
+        assert waiting() == 0
+        assert "hpcserve_router_admission_waits_total 1.0" in router.metrics()
     finally:
         router.stop()
         router.close()

@@ -18,6 +18,7 @@ from hpcserve.engine.metrics import (
     KV_CACHE_USAGE,
     RUNNING,
     counter_rate,
+    kv_cache_tokens,
     parse_engine_metrics,
     peak,
     total,
@@ -52,6 +53,13 @@ def test_totals_of_the_saved_text():
     assert total(metrics, GENERATION_TOKENS) == 8.0
     assert peak(metrics, *KV_CACHE_USAGE) == 0.0
     assert total(metrics, "vllm:no_such_metric") is None
+
+
+def test_the_kv_cache_size_of_the_saved_text():
+    assert kv_cache_tokens(TEXT) == 2048 * 128  # num_gpu_blocks x block_size of vllm:cache_config_info
+    unsized = TEXT.replace('num_gpu_blocks="2048"', 'num_gpu_blocks="None"')
+    assert kv_cache_tokens(unsized) is None  # before the engine sized its cache
+    assert kv_cache_tokens("vllm:num_requests_running 0.0\n") is None
 
 
 def test_old_kv_cache_name_is_understood():

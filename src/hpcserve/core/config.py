@@ -158,9 +158,14 @@ class ServeSpec(Strict):
                                     "cluster.time by it, and the startups measured later replace it")
     routing: Routing = Field(Routing.PREFIX, description="how the endpoint picks a replica: prefix (the default: "
                              "a prompt to the replica whose prefix cache holds most of it, unless that one is "
-                             "loaded an eighth of its capacity above the lightest; a session header pins a "
+                             "loaded a quarter of its capacity above the lightest; a session header pins a "
                              "conversation: docs/endpoint.md), least_loaded (fewest in flight per unit of "
                              "capacity), or round_robin")
+    admit_kv_share: float = Field(0.4, ge=0, le=1, description="prefix routing with the engines' KV events: "
+                                  "while the prompts in flight take more than this share of the replicas' KV "
+                                  "caches, new prefills wait in the endpoint and those whose prefix a replica "
+                                  "holds go first (more throughput under prefill-heavy overload, a later median "
+                                  "first token: docs/endpoint.md); 0: never wait")
     router_workers: int | None = Field(None, ge=1, le=64, description="processes serving the endpoint's port "
                                        "(one core each); default: a quarter of this machine's cores, 1 to 8")
     migrations: int = Field(2, ge=0, le=16, description="times a stream in flight may continue on another "

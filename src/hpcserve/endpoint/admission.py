@@ -9,7 +9,7 @@ than `share` of the replicas' KV caches, a request that would start a new prefil
 ends the next to go is a waiting request that some replica holds most of (SGLang's longest-prefix-match
 scheduling, across replicas); otherwise the oldest. A request waits here at most AGE_S before it goes first.
 
-    admission = Admission(pool, share=0.6, workers=2)
+    admission = Admission(pool, share=0.4, workers=2)
     async with admission.turn(affinity):          # at once while there is room, else in its turn
         ...forward the request...
 
@@ -31,10 +31,11 @@ from dataclasses import dataclass, field
 
 from hpcserve.endpoint.balance import MATCH_FRACTION, Affinity, Pool, cached_share
 
-# The share of the replicas' KV caches that prompts in flight may take before new prefills wait. The rest
-# is the window in which waiting requests can be reordered: at 0.6 under 128 requests of 2,000 tokens on two
-# 131,072-token caches, about 50 wait here and those whose prefix is cached go first.
-DEFAULT_SHARE = 0.6
+# The share of the replicas' KV caches that prompts in flight may take before new prefills wait; the lower,
+# the more requests wait here to be reordered. On the GPU benchmark (128 requests of 2,000 tokens in flight,
+# two 131,072-token caches, docs/benchmarks/routing.md): 0.6 gave 1.03x cache_aware's throughput, 0.4 1.08x
+# (hits 1.32x what the engines' LRU allows alone), 0.25 no more than 0.4 and a later median first token.
+DEFAULT_SHARE = 0.4
 # The longest a request waits while others (whose prefix is cached) go before it: then it goes first.
 AGE_S = 5.0
 SCAN = 64  # waiting requests looked at for a cached prefix per admission: bounds the work per request end

@@ -34,7 +34,8 @@ class Admin:
         now, limits = time.monotonic(), plane.pool.index.limits
         return {"policy": str(plane.settings.policy), "hold_s": plane.settings.hold_s, "held": plane.stats.held,
                 "workers": 1, "waiting": len(plane.admission.waiting),
-                "backends": [{**BackendSpec(b.url, b.capacity, b.saturated).to_json(), "in_flight": b.in_flight,
+                "backends": [{**BackendSpec(b.url, b.capacity, b.saturated, plane.pool.kv_tokens.get(b.url)).to_json(),
+                              "in_flight": b.in_flight,
                               "failed": b.failed_until > now, "requests": b.requests, "failures": b.failures,
                               "index_blocks": len(plane.pool.index.held.get(b.url) or ()),
                               "index_limit": limits.get(b.url), **self.kv_events_json(b.url)}

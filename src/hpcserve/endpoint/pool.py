@@ -32,7 +32,7 @@ from hpcserve.endpoint.decisions import (
 from hpcserve.endpoint.probe import Kind, Prober, Result
 from hpcserve.endpoint.rotation import Rotation
 from hpcserve.endpoint.router import Router
-from hpcserve.engine.client import completion_probe
+from hpcserve.engine.client import completion_probe, kv_cache_size
 from hpcserve.engine.metrics import EngineLoad
 
 PROBE_TIMEOUT_S = 1.0
@@ -73,8 +73,10 @@ class Pool:
 
         with ThreadPoolExecutor(min(JOIN_PROBES_AT_ONCE, max(1, len(urls)))) as pool:
             failed = {url: why for url, why in zip(urls, pool.map(answer, urls)) if why}
-        ready = [url for url in urls if url not in failed]
-        refused = self.router.apply(add=ready, capacities=capacities) if ready else set()
+            ready = [url for url in urls if url not in failed]
+            # The engines' KV cache sizes: the data plane bounds its index and admits prefills by them.
+            sizes = dict(zip(ready, pool.map(lambda url: kv_cache_size(url, self.api_key), ready)))
+        refused = self.router.apply(add=ready, capacities=capacities, kv_tokens=sizes) if ready else set()
         failed |= {url: "the router did not take it (see its log)" for url in refused}
         for url in ready:
             if url not in refused:

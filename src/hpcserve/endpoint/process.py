@@ -113,11 +113,12 @@ def teardown(ctl: Controller) -> None:
 
 
 def dataplane_options(cfg) -> list[str]:
-    """The data plane's flags from the config: its migrations, and --tokenizer (with the engines'
-    --chat-template), so that it reads prompts as the engines' token ids and routes by their KV events;
+    """The data plane's flags from the config: its migrations, its admission share, and --tokenizer (with the
+    engines' --chat-template), so that it reads prompts as the engines' token ids and routes by their KV events;
     no tokenizer where the model folder is not readable here (a hub id, or weights only on the compute
     nodes: it routes by the prompts' text then)."""
-    return ["--migrations", str(cfg.serve.migrations)] + tokenizer_options(cfg)
+    return ["--migrations", str(cfg.serve.migrations), "--admit-kv-share", f"{cfg.serve.admit_kv_share:g}",
+            *tokenizer_options(cfg)]
 
 
 def tokenizer_options(cfg) -> list[str]:

@@ -7,17 +7,15 @@ driven over its admin socket by the controller.
     router.remove(url, drain_s=30)  # no new requests; waits for its in-flight ones to finish
     router.apply(add=[...], remove=[...])   # one round's changes as one update
     router.set_saturated({url})     # engines that queue (from vLLM's /metrics): skipped while others have room
-    router.backends()               # [Backend(url, healthy, in_flight, capacity, saturated)]
+    router.backends()               # [Backend(url, healthy, in_flight, capacity, saturated, kv_tokens)]
     router.attach(pid)              # a new controller takes over a data plane that kept running
     router.stop()                   # SIGTERM to its process group by recorded PID, then SIGKILL
 
-The controller owns the list: every change sends the whole desired set (PUT /backends, idempotent), so
-a lost update is repaired by the next one and a round's changes are one call. The admin socket is a
-Unix socket in an owner-only folder of the run folder: only the owner can change membership, and the
-client port has no admin route at all. The data plane balances by its own in-flight counts per unit of
-each backend's capacity (the engine's --max-num-seqs) and skips saturated backends while another has
-room; the controller's part is what only it sees: membership after a real completion, the engines'
-/metrics, drains, stopping by recorded PID.
+The controller owns the list: every change sends the whole desired set (PUT /backends, idempotent), so a
+lost update is repaired by the next one. The admin socket is a Unix socket in an owner-only folder: only
+the owner can change membership; the client port has no admin route. The data plane balances by its own
+in-flight counts per unit of each backend's capacity (--max-num-seqs) and KV cache; the controller's part
+is what only it sees: membership after a real completion, the engines' /metrics, drains, stopping by PID.
 """
 
 from __future__ import annotations
@@ -30,7 +28,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
@@ -61,12 +59,13 @@ class Backend:
     in_flight: int  # requests the data plane has sent there and not finished
     capacity: int = DEFAULT_MAX_NUM_SEQS
     saturated: bool = False
+    kv_tokens: int | None = None
 
 
 def backends_from_json(data: dict) -> list[Backend]:
     """The data plane's GET /backends answer. Pure."""
     return [Backend(b["url"], not b.get("failed"), int(b.get("in_flight") or 0), int(b.get("capacity") or 1),
-                    bool(b.get("saturated"))) for b in data.get("backends", [])]
+                    bool(b.get("saturated")), b.get("kv_tokens")) for b in data.get("backends", [])]
 
 
 def in_flight_to(data: dict, url: str) -> int:
@@ -77,7 +76,7 @@ def in_flight_to(data: dict, url: str) -> int:
 
 def default_workers(cores: int | None = None) -> int:
     """Data plane workers when serve.router_workers is not set: a quarter of the cores, 1 to 8 (the login
-    node runs the controller, users' shells and the clients of a benchmark too). Pure."""
+    node runs the controller, users' shells, a benchmark's clients). Pure."""
     return max(1, min(8, (cores if cores is not None else os.cpu_count() or 1) // 4))
 
 
@@ -158,7 +157,7 @@ class Router:
         self._key = self.api_key_file.read_text().strip() if self.api_key_file else None
         self.pid, self._process = pid, None
         with self._lock:
-            self._desired = {b.url: BackendSpec(b.url, b.capacity, b.saturated) for b in self.backends()}
+            self._desired = {b.url: BackendSpec(b.url, b.capacity, b.saturated, b.kv_tokens) for b in self.backends()}
         return True
 
     def alive(self) -> bool:
@@ -207,8 +206,7 @@ class Router:
             self._desired = {spec.url: spec for spec in specs}
             self._put()
 
-    def capacities(self) -> dict[str, int]:
-        """Each desired backend's capacity (the requests its engine runs at once)."""
+    def capacities(self) -> dict[str, int]:  # each desired backend's (the requests its engine runs at once)
         with self._lock:
             return {url: spec.capacity for url, spec in self._desired.items()}
 
@@ -218,11 +216,12 @@ class Router:
         if self.apply(add=[url], capacities={url: capacity} if capacity else None):
             raise RouterError(f"{url} does not answer /health: not added to the router")
 
-    def apply(self, add: Iterable[str] = (), remove: Iterable[str] = (), capacities: dict[str, int] | None = None) -> set[str]:
-        """One round's membership changes as one update of the data plane. Adds must answer /health (asked
-        at once); returns those that did not (not added). Removes take effect at once; no drain wait (the
-        controller drains itself, or calls remove)."""
+    def apply(self, add: Iterable[str] = (), remove: Iterable[str] = (), capacities: dict[str, int] | None = None,
+              kv_tokens: dict[str, int | None] | None = None) -> set[str]:
+        """One round's changes as one update of the data plane: adds must answer /health (asked at once), those
+        that do not are returned; removes take effect at once, no drain wait. capacities, kv_tokens: by add."""
         adds, removes, capacities = _urls(add), set(_urls(remove)), {k.rstrip("/"): v for k, v in (capacities or {}).items()}
+        sizes = {k.rstrip("/"): v for k, v in (kv_tokens or {}).items()}
         with ThreadPoolExecutor(min(HEALTH_CHECKS_AT_ONCE, max(1, len(adds)))) as pool:
             refused = {url for url, ok in zip(adds, pool.map(health_ok, adds)) if not ok}
         with self._lock:
@@ -231,7 +230,8 @@ class Router:
                 if url not in refused:
                     known = desired.get(url)
                     capacity = capacities.get(url) or (known.capacity if known else DEFAULT_MAX_NUM_SEQS)
-                    desired[url] = BackendSpec(url, capacity, known.saturated if known else False)
+                    desired[url] = BackendSpec(url, capacity, known.saturated if known else False,
+                                               sizes.get(url) or (known.kv_tokens if known else None))
             if desired != self._desired:
                 self._desired = desired
                 self._put()
@@ -292,7 +292,7 @@ class Router:
         them while another has room. Sent only when something changed."""
         saturated = set(_urls(urls))
         with self._lock:
-            desired = {url: BackendSpec(url, spec.capacity, url in saturated) for url, spec in self._desired.items()}
+            desired = {url: replace(spec, saturated=url in saturated) for url, spec in self._desired.items()}
             if desired != self._desired:
                 self._desired = desired
                 self._put()

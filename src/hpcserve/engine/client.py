@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import httpx
 
 from hpcserve.core.keys import bearer
+from hpcserve.engine.metrics import kv_cache_tokens
 
 READY_PROMPT = "Hello, my name is"
 
@@ -33,6 +34,15 @@ def completion_probe(base_url: str, model: str, api_key: str | None, timeout_s: 
     if not choices:
         raise RuntimeError(f"completion returned no choices: {response.text[:200]}")
     return choices[0].get("text", "")
+
+
+def kv_cache_size(base_url: str, api_key: str | None, timeout_s: float = 5.0) -> int | None:
+    """The tokens the engine's KV cache holds, from its /metrics; None when it does not say or answer."""
+    try:
+        response = httpx.get(f"{base_url}/metrics", headers=bearer(api_key), timeout=timeout_s)
+        return kv_cache_tokens(response.text) if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
 
 
 def health_ok(base_url: str, timeout_s: float = 2.0) -> bool:

@@ -18,6 +18,7 @@ FINISHED = "vllm:request_success"  # requests finished (a counter, by finish rea
 GENERATION_TOKENS = "vllm:generation_tokens"  # counter family names are given without "_total"
 PROMPT_TOKENS = "vllm:prompt_tokens"
 KV_CACHE_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # new name, old name
+CACHE_CONFIG = "vllm:cache_config_info"  # the engine's CacheConfig as labels (num_gpu_blocks, block_size)
 
 
 # ------------------------------------------------------------------ parsing (pure)
@@ -127,6 +128,21 @@ def sample_value(line: str) -> float:
         return float(words[0])
     except ValueError:
         raise ValueError(f"not a number in {line[:120]!r}") from None
+
+
+def kv_cache_tokens(metrics_text: str) -> int | None:
+    """The tokens an engine's KV cache holds (num_gpu_blocks x block_size of vllm:cache_config_info; the
+    smallest where several engines answer); None when its /metrics do not say. Pure."""
+    sizes = []
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name != CACHE_CONFIG:
+            continue
+        for sample in family.samples:
+            try:
+                sizes.append(int(sample.labels["num_gpu_blocks"]) * int(sample.labels["block_size"]))
+            except (KeyError, ValueError):  # "None" before the engine sized its cache
+                continue
+    return min(sizes) if sizes and min(sizes) > 0 else None
 
 
 def is_drained(load: EngineLoad) -> bool:
