@@ -108,3 +108,19 @@ def test_no_waiting_without_cache_sizes_or_token_ids_and_all_go_when_sizes_go():
 def test_each_worker_admits_against_its_share_of_the_caches():
     assert Admission(pool(), share=0.5, workers=2).budget() == 500
     assert Admission(pool(), share=1.0, workers=4).budget() == 500
+
+
+def test_only_as_many_waiting_requests_are_costed_as_the_choice_needs():
+    now, read = 100.0, []
+
+    def costs(items):
+        for item in items:
+            read.append(item)
+            yield item
+
+    waiting = [(600, False, now), (50, True, now), *[(40, True, now)] * 100]
+    assert next_admitted(costs(waiting), room=100, idle=False, now=now) == 1
+    assert len(read) == 2  # the first held prefix that fits ends the search
+    read.clear()
+    assert next_admitted(costs([(600, False, now)] * 100), room=700, idle=False, now=now) == 0
+    assert len(read) == 64  # at most SCAN looked at

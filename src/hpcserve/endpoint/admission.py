@@ -25,9 +25,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from itertools import islice
 
 from hpcserve.endpoint.balance import MATCH_FRACTION, Affinity, Pool, cached_share
 
@@ -60,19 +61,23 @@ def prefill_cost(pool: Pool, affinity: Affinity | None, now: float) -> tuple[int
     return round(len(affinity.tokens) * (1.0 - held)), held >= MATCH_FRACTION
 
 
-def next_admitted(costs: list[tuple[int, bool, float]], room: int, idle: bool, now: float) -> int | None:
-    """Which waiting request goes next (an index into costs), or None while none may. costs: each waiting
-    request's (prefill cost, prefix held somewhere, since when), oldest first. room: tokens left within the
-    budget; idle: nothing in flight (then the oldest goes whatever it costs). Pure."""
-    if not costs:
+def next_admitted(costs: Iterable[tuple[int, bool, float]], room: int, idle: bool, now: float) -> int | None:
+    """Which waiting request goes next (its position in costs), or None while none may. costs: each waiting
+    request's (prefill cost, prefix held somewhere, since when), oldest first, read only as far as needed
+    (at most SCAN). room: tokens left within the budget; idle: nothing in flight (then the oldest goes
+    whatever it costs). Pure."""
+    costs = iter(costs)
+    oldest = next(costs, None)
+    if oldest is None:
         return None
-    oldest_cost, _, oldest_since = costs[0]
-    if idle or now - oldest_since >= AGE_S:  # nothing else passes an old request
-        return 0 if idle or oldest_cost <= room else None
-    for i, (cost, held, _) in enumerate(costs[:SCAN]):
+    oldest_cost, oldest_held, oldest_since = oldest
+    fits = idle or oldest_cost <= room
+    if idle or now - oldest_since >= AGE_S or (oldest_held and fits):  # nothing passes an old request
+        return 0 if fits else None
+    for i, (cost, held, _) in enumerate(islice(costs, SCAN - 1), start=1):
         if held and cost <= room:
             return i
-    return 0 if oldest_cost <= room else None
+    return 0 if fits else None
 
 
 class Admission:
@@ -153,11 +158,16 @@ class Admission:
                 while self.waiting:
                     self.grant(self.waiting.popleft(), 0)
                 return
-            looked = [self.waiting[i] for i in range(min(SCAN, len(self.waiting)))]
-            costs = [(*prefill_cost(self.pool, t.affinity, now), t.since) for t in looked]
-            pick = next_admitted(costs, budget - self.in_flight, self.admitted == 0, now)
+            costs: list[tuple[int, bool, float]] = []  # computed as next_admitted reads them
+
+            def each_cost() -> Iterator[tuple[int, bool, float]]:
+                for ticket in self.waiting:
+                    costs.append((*prefill_cost(self.pool, ticket.affinity, now), ticket.since))
+                    yield costs[-1]
+
+            pick = next_admitted(each_cost(), budget - self.in_flight, self.admitted == 0, now)
             if pick is None:
                 return
-            ticket = looked[pick]
+            ticket = self.waiting[pick]
             del self.waiting[pick]
             self.grant(ticket, costs[pick][0])
