@@ -74,6 +74,9 @@ def test_status_keeps_urls_and_paths_whole():
     assert_narrow(lines, LONG_PATH, f"{LONG_URL}0 healthy, compile cache hit", f"{LONG_URL}1", row.endpoint,
                   row.decisions[0]["reason"])
     assert "\n".join(lines).count("healthy") == 1 and "DOWN" in "\n".join(lines)
+    assert "waiting for room" not in "\n".join(lines)
+    row.admission_waiting = 12
+    assert "12 request(s) waiting for room in the KV caches" in " ".join(rendered(status_view([row])))
 
 
 def test_health_check():

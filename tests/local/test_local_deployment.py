@@ -153,9 +153,11 @@ def test_no_port_of_the_deployment_answers_without_the_key(deployment):
 def test_the_endpoint_follows_the_engines_kv_events(deployment):
     """The embedded default routes by prefix: its data plane reads the model's tokenizer and follows the
     engine's KV events (relayed on the engine's port, behind the key); a prompt of whole blocks (vLLM on
-    CPU caches blocks of 128 tokens) shows up in its exact index."""
+    CPU caches blocks of 128 tokens) shows up in its exact index. The controller told it the engine's KV
+    cache size (from the engine's /metrics at join): admission and the index's bound work from it."""
     from hpcserve.core.paths import RunPaths
     from hpcserve.endpoint.holding import read_backends
+    from hpcserve.engine.client import kv_cache_size
     from hpcserve.testing.harness import wait_until
 
     socket = RunPaths(Path(deployment["run_dir"])).router_admin
@@ -163,6 +165,8 @@ def test_the_endpoint_follows_the_engines_kv_events(deployment):
     row = wait_until(lambda: [b for b in read_backends(socket)["backends"] if b.get("exact_blocks")], 30,
                      "blocks in the exact index")[0]
     assert row["kv_events"] == "live" and row["exact_complete"] is True
+    assert row["kv_tokens"] == kv_cache_size(row["url"], deployment["key"]) > 0
+    assert read_backends(socket)["waiting"] == 0
 
 
 def test_engine_temporary_files_stay_in_the_node_folder(deployment):

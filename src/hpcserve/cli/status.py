@@ -68,6 +68,9 @@ def deployment_lines(r: api.DeploymentStatus) -> list[str]:
         lines.append(f"  {r.advice}")
     if r.holding:
         lines.append(f"  {describe_holding(r.holding)}")
+    if r.admission_waiting:
+        lines.append(f"  {r.admission_waiting} request(s) waiting for room in the KV caches, cached prefixes "
+                     "first (serve.admit_kv_share)")
     if r.endpoint:
         lines.append(f"  endpoint {r.endpoint}/v1")
     lines += [f"  replica {x['index']}: {x['url']} {'healthy' if x['healthy'] else 'DOWN'}"

@@ -10,7 +10,6 @@ member(s) it waits for and since when.
 
     read_backends(admin_socket)             the data plane's answer, or None where it does not answer
     holding(answer, members, decisions)     None while a backend can take requests, else what clients get
-    holding_now(admin_socket, ...)          the two together
     describe(hold, now)                     one line for `hpcserve status`
 """
 
@@ -68,12 +67,6 @@ def holding(answer: dict, members: list[dict], decisions: list[dict]) -> dict | 
     return {"held": int(answer.get("held") or 0), "hold_s": answer.get("hold_s"),
             "backends": len(answer.get("backends", [])), "since": since_when(decisions),
             "waiting_for": waited_for(members)}
-
-
-def holding_now(admin_socket: Path, members: list[dict], decisions: list[dict]) -> dict | None:
-    """holding() on the data plane's answer now; None also when it does not answer."""
-    answer = read_backends(admin_socket)
-    return None if answer is None else holding(answer, members, decisions)
 
 
 def describe(hold: dict, now: float | None = None) -> str:

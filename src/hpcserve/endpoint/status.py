@@ -14,7 +14,7 @@ from hpcserve.core.runstate import RunState, read_timeline
 from hpcserve.core.statuses import MemberStatus, RunKind, RunStatus
 from hpcserve.core.timeline import stage_breakdown
 from hpcserve.deployment.runs import run_of
-from hpcserve.endpoint.holding import holding_now
+from hpcserve.endpoint.holding import holding, read_backends
 from hpcserve.endpoint.members import Member
 from hpcserve.endpoint.run import EndpointCheck, MemberCheck, inspect_endpoint
 from hpcserve.engine.client import health_ok
@@ -37,6 +37,7 @@ class DeploymentStatus:
     decisions: list[dict] = field(default_factory=list)  # the endpoint's last decisions, with reasons
     advice: str | None = None  # what to run to put it right (an endpoint without its controller)
     holding: dict | None = None  # no replica takes requests: held now, since when, the members waited for
+    admission_waiting: int = 0  # requests waiting now for room in the replicas' KV caches (endpoint/admission.py)
 
     def to_json(self) -> dict:
         """Plain JSON values (statuses and paths as text): what `hpcserve status --json` prints."""
@@ -61,13 +62,15 @@ def deployment_status(record: Record) -> DeploymentStatus:
     members = [member_line(Member.from_json(m)) for m in state.members]
     decisions = [d.to_dict() for d in state.decisions]
     # What clients get, asked of the data plane: the controller's file says ready while a late successor
-    # leaves the pool empty (endpoint/holding.py)
-    hold = (holding_now(RunPaths(Path(record.run_dir)).router_admin, members, decisions)
-            if record.kind is RunKind.ENDPOINT and current in (RunStatus.READY, RunStatus.DEGRADED) else None)
+    # leaves the pool empty (endpoint/holding.py), and requests may wait for room in the KV caches
+    answer = (read_backends(RunPaths(Path(record.run_dir)).router_admin)
+              if record.kind is RunKind.ENDPOINT and current in (RunStatus.READY, RunStatus.DEGRADED) else None)
+    hold = holding(answer, members, decisions) if answer else None
     return DeploymentStatus(record.name, record.scheduler, RunStatus.HOLDING if hold else current, state.stage,
                             gone or run.runner_line(), record.run_dir, replicas,
                             state.error.to_dict() if state.error else None, record.job_id, stages,
-                            state.endpoint_url, members, decisions, holding=hold)
+                            state.endpoint_url, members, decisions, holding=hold,
+                            admission_waiting=int(answer.get("waiting") or 0) if answer else 0)
 
 
 def uncontrolled_status(record: Record, state: RunState, check: EndpointCheck) -> DeploymentStatus:
