@@ -134,12 +134,11 @@ def kv_cache_tokens(metrics_text: str) -> int | None:
     """The tokens an engine's KV cache holds (num_gpu_blocks x block_size of vllm:cache_config_info; the
     smallest where several engines answer); None when its /metrics do not say. Pure."""
     sizes = []
-    for family in text_string_to_metric_families(metrics_text):
-        if family.name != CACHE_CONFIG:
-            continue
-        for sample in family.samples:
+    for metric in parse_engine_metrics(metrics_text):
+        for labels, _ in metric.samples if metric.name == CACHE_CONFIG else ():
+            config = dict(labels)
             try:
-                sizes.append(int(sample.labels["num_gpu_blocks"]) * int(sample.labels["block_size"]))
+                sizes.append(int(config["num_gpu_blocks"]) * int(config["block_size"]))
             except (KeyError, ValueError):  # "None" before the engine sized its cache
                 continue
     return min(sizes) if sizes and min(sizes) > 0 else None
