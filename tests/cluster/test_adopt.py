@@ -1,6 +1,6 @@
 """The endpoint outlives its controller and its login node (issue 17), on the sandbox: real Slurm, Ray,
-vLLM (CPU) and vllm-router. The controller and the router run on this machine (the "login node"), the
-replicas in Slurm jobs on the nodes.
+vLLM (CPU) and hpcserve's own data plane (the router: endpoint/dataplane.py). The controller and the
+router run on this machine (the "login node"), the replicas in Slurm jobs on the nodes.
 
 One deployment of two replicas, under load through the endpoint throughout:
 1. the controller is killed (kill -9): the data plane holds, and `status` tells it as it is (controller
@@ -152,9 +152,10 @@ def test_endpoint_survives_its_login_node(slurm_env, tmp_path):
         wait_until(lambda: not all(r["healthy"] for r in status_of(NAME)["replicas"]), 30, "status: a replica down")
         killed = time.time()
         os.killpg(state["endpoint"]["pid"], signal.SIGKILL)
-        time.sleep(5)
-        seen = status_of(NAME)
-        assert seen["status"] == "uncontrolled" and "router gone" in seen["runner"], seen["runner"]
+        seen = wait_until(lambda: (s := status_of(NAME))["status"] == "uncontrolled" and "router gone" in s["runner"]
+                          and s, 30, "status: uncontrolled, router gone")
+        with pytest.raises(httpx.ConnectError):  # gone indeed: nothing listens on the endpoint's port
+            httpx.get(f"{url}/liveness", timeout=2, trust_env=False)
         healthy = {r["member"]: r["healthy"] for r in seen["replicas"]}
         assert healthy == {kept: True, lost_member: False}, seen["replicas"]
         adopting = time.time()
@@ -185,9 +186,17 @@ def test_endpoint_survives_its_login_node(slurm_env, tmp_path):
         assert engine_alive(sandbox, kept_node, before[kept][2])
         launches = [d for d in adopted if d["action"].startswith("launch")]
         assert launches and all(f"replacing {lost_member}" in d["reason"] for d in launches), launches
-        assert status_of(NAME)["status"] == "ready"
+        # `status` counts the lost replica (1 of 2 up), also once acknowledged, until a replacement serves
+        seen = status_of(NAME)
+        assert (seen["status"], seen["up"], seen["total"]) == ("degraded", 1, 2), (seen["status"], seen["lost"])
+        assert [x["member"] for x in seen["lost"] if x["counted"]] == [lost_member], seen["lost"]
+        acked = run_cli("status", NAME, "--ack")
+        assert acked.returncode == 0 and f"acknowledged: {lost_member}" in acked.stderr, acked.stdout + acked.stderr
+        assert (status_of(NAME)["up"], status_of(NAME)["total"]) == (1, 2)
         sandbox.start_node(lost_node)
         joined = wait_until(lambda: [d for d in decisions_since(NAME, adopting) if d["action"] == "join"], 420, "join")
+        seen = status_of(NAME)
+        assert (seen["status"], seen["up"], seen["total"]) == ("ready", 2, 2), (seen["status"], seen["lost"])
         print(f"FIGURES the lost replica's replacement serving {joined[0]['time'] - adopting:.0f} s after adopt")
 
         # 4. The next node loss is handled as before: out of the pool within 5 s, no request lost, a
@@ -210,6 +219,22 @@ def test_endpoint_survives_its_login_node(slurm_env, tmp_path):
         # 5. An engine crash: kill -9 of a serving replica's vLLM process, inside its node, once the
         # replacement of step 4 serves (the other replica keeps the endpoint up).
         wait_until(lambda: len(replicas_now(NAME)) == 2, 420, "two replicas serving again")
+        # `status` tells the truth after the replacement: 2 of 2 wanted serve, but a member was lost, and it
+        # counts (degraded, 2/3 up) until acknowledged (docs/endpoint.md, "Lost replicas in status")
+        seen = status_of(NAME)
+        assert (seen["status"], seen["up"], seen["total"]) == ("degraded", 2, 3), (seen["status"], seen["lost"])
+        (loss,) = [x for x in seen["lost"] if x["counted"]]
+        assert (loss["member"], loss["nodes"], loss["stand_in_status"]) == (kept, [kept_node], "serving"), loss
+        assert loss["stand_in"] in replicas_now(NAME), (loss, replicas_now(NAME))
+        table = run_cli("status", NAME).stdout
+        said = next((line.strip() for line in table.splitlines() if line.strip().startswith("degraded: ")), table)
+        assert said.startswith(f"degraded: 2/3 up ({kept} on {kept_node} lost at ") and \
+            f", replaced by {loss['stand_in']})" in said and f"status {NAME} --ack" in said, said
+        row = next((line.strip() for line in table.splitlines() if line.strip().startswith(f"{NAME} ")), "")
+        print(f"FIGURES status after the replacement: {row} / {said}")
+        assert run_cli("status", NAME, "--ack").returncode == 0
+        seen = status_of(NAME)
+        assert (seen["status"], seen["up"], seen["total"]) == ("ready", 2, 2), (seen["status"], seen["lost"])
         victim, (_, node, pid) = sorted(replicas_now(NAME).items())[0]
         load = Load(url, os.environ["HPCSERVE_API_KEY"])
         time.sleep(3)
@@ -223,5 +248,6 @@ def test_endpoint_survives_its_login_node(slurm_env, tmp_path):
         assert len(replicas_now(NAME)) == 2 and victim not in replicas_now(NAME)
         table = run_cli("status", NAME).stdout
         assert "leave" in table and "launch replacement" in table
+        assert f"degraded: 2/3 up ({victim} on {node} lost at " in table, table  # the crash counts too
         print(f"FIGURES engine crash: left the pool after {leave['time'] - crashed:.1f} s, replacement serving "
               f"{joined[0]['time'] - crashed:.0f} s later, {len(requests)} requests, 0 failed")

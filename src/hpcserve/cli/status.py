@@ -20,14 +20,23 @@ from hpcserve.core.statuses import RunStatus
 from hpcserve.core.tables import narrow_table
 from hpcserve.core.timeline import breakdown_line
 from hpcserve.endpoint.holding import describe as describe_holding
+from hpcserve.endpoint.status import acknowledge, lost_line
 
 
 @guarded
 def status(name: Optional[str] = typer.Argument(None, help="one deployment; default: all"),
            as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
            watch: bool = typer.Option(False, "--watch", "-w", help="live view of nodes and replicas; Ctrl-C to stop"),
-           interval: float = typer.Option(2.0, min=0.5, help="seconds between refreshes with --watch")):
+           interval: float = typer.Option(2.0, min=0.5, help="seconds between refreshes with --watch"),
+           ack: bool = typer.Option(False, "--ack", help="acknowledge NAME's lost replicas: each stops counting "
+                                    "(`degraded`) once a replacement serves in its place")):
     """What is really running: checked now (driver process or Slurm job, each replica's /health)."""
+    if ack:
+        if not name:
+            raise UsageError("--ack needs the deployment's NAME")
+        acknowledged = acknowledge(api.load_record(name))
+        err.print(f"acknowledged: {', '.join(acknowledged)}" if acknowledged else "no lost replica to acknowledge",
+                  highlight=False)
     if watch:
         if as_json:
             raise UsageError("--watch and --json do not go together")
@@ -56,14 +65,18 @@ def status_view(rows: list[api.DeploymentStatus]) -> Group:
     table = narrow_table("deployments", "name", "status", "stage", "replicas", left=("name", "status", "stage"))
     lines: list[str] = []
     for r in rows:
-        healthy = sum(1 for x in r.replicas if x["healthy"])
-        table.add_row(r.name, _colour(r.status), r.stage or "-", f"{healthy}/{len(r.replicas)} up" if r.replicas else "-")
+        up, total = (r.up, r.total) if r.total is not None else (sum(1 for x in r.replicas if x["healthy"]),
+                                                                 len(r.replicas))
+        table.add_row(r.name, _colour(r.status), r.stage or "-", f"{up}/{total} up" if total else "-")
         lines += deployment_lines(r)
     return Group(table, *(Text(line, no_wrap=True, overflow="ignore") for line in lines))
 
 
 def deployment_lines(r: api.DeploymentStatus) -> list[str]:
     lines = [f"{r.name}: {r.runner}"]
+    lost = lost_line(r.name, r.status, r.up or 0, r.total or 0, r.lost)
+    if lost:
+        lines.append(f"  {lost}")
     if r.advice:
         lines.append(f"  {r.advice}")
     if r.holding:
@@ -73,7 +86,8 @@ def deployment_lines(r: api.DeploymentStatus) -> list[str]:
                      "first (serve.admit_kv_share)")
     if r.endpoint:
         lines.append(f"  endpoint {r.endpoint}/v1")
-    lines += [f"  replica {x['index']}: {x['url']} {'healthy' if x['healthy'] else 'DOWN'}"
+    lines += [f"  replica {x['index']}: {x['url']} "
+              + ("healthy" if x["healthy"] else f"lost with {x.get('member')}" if x.get("lost") else "DOWN")
               + (f", compile cache {x['compile_cache']}" if x.get("compile_cache", "none") != "none" else "")
               for x in r.replicas]
     for m in r.members:
