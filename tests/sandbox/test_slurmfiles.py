@@ -40,3 +40,20 @@ def test_render_files_writes_the_settings_last():
     files = render_files(Sandbox(nodes=1), nsswitch="")
     assert list(files)[-1] == SETTINGS_FILE  # it marks a complete build
     assert {"slurm.conf", "gres.conf", "cgroup.conf", "hosts", "resolv.conf"} <= set(files)
+
+
+def test_high_partition_preempts_scavenger_and_the_default_partition_is_never_preempted():
+    conf = slurm_conf(Sandbox(nodes=1))
+    assert {"PreemptType=preempt/partition_prio", "PreemptMode=REQUEUE",
+            "SlurmctldParameters=preempt_send_user_signal"} <= set(conf.splitlines())
+    parts = {}
+    for line in conf.splitlines():
+        if line.startswith("PartitionName="):
+            name, *options = line.split()
+            parts[name.split("=", 1)[1]] = dict(option.split("=", 1) for option in options)
+    assert [name for name, o in parts.items() if o.get("Default") == "YES"] == ["debug"]
+    assert {o["Nodes"] for o in parts.values()} == {"ALL"}
+    tier = {name: int(o["PriorityTier"]) for name, o in parts.items()}
+    assert tier["high"] > tier["debug"] > tier["scavenger"]
+    assert parts["debug"]["PreemptMode"] == parts["high"]["PreemptMode"] == "OFF"
+    assert parts["scavenger"]["PreemptMode"] == "REQUEUE" and int(parts["scavenger"]["GraceTime"]) > 0

@@ -58,7 +58,7 @@ from hpcserve.sandbox.procs import (
     tail,
     wait_for,
 )
-from hpcserve.sandbox.slurmfiles import nsswitch_files_only, write_files
+from hpcserve.sandbox.slurmfiles import nsswitch_files_only, slurm_conf, write_files
 
 __all__ = [
     "HEALTHY_STATES", "PACKAGES", "POLL_S", "SETTINGS_FILE", "STOP_TIMEOUT_S", "UP_TIMEOUT_S",
@@ -174,10 +174,20 @@ class Sandbox(SandboxLayout):
             return False
         if saved != self.settings() or not self._munged_pid():
             return False
+        if not self._slurm_conf_current():
+            return False
         if not all(self._daemon_pid(h) for h in self.host_names()):
             return False
         states = self._node_states()
         return all(states.get(n) in HEALTHY_STATES for n in self.node_names())
+
+    def _slurm_conf_current(self) -> bool:
+        """Its slurm.conf is the one this code renders: a sandbox built before a change of the
+        partitions or preemption settings is rebuilt by `up`, not reused without them."""
+        try:
+            return self.slurm_conf.read_text() == slurm_conf(self)
+        except OSError:
+            return False
 
     def _node_states(self) -> dict[str, str]:
         """NodeName -> state as sinfo prints it ("idle", "idle*" = not responding, ...); {} if the
