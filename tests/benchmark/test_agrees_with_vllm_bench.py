@@ -123,8 +123,9 @@ def _start_vllm_bench(base_url: str, model: Path, seed: int, result_file: Path) 
             "--num-prompts", str(THEIR_PROMPTS), "--max-concurrency", str(CONCURRENCY), "--ignore-eos",
             "--seed", str(seed), "--disable-tqdm", "--save-result", "--save-detailed",
             "--result-filename", str(result_file)]
+    # its temporary files (importing vLLM makes $TMPDIR/torchinductor_USER) in the test's folder, not /tmp
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+                            env=own_tmp_env(result_file.parent, PYTHONUNBUFFERED="1"), start_new_session=True)
 
 
 def _wait_for_main_run(process: subprocess.Popen) -> None:

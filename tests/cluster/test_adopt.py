@@ -156,6 +156,9 @@ def test_endpoint_survives_its_login_node(slurm_env, tmp_path):
                           and s, 30, "status: uncontrolled, router gone")
         with pytest.raises(httpx.ConnectError):  # gone indeed: nothing listens on the endpoint's port
             httpx.get(f"{url}/liveness", timeout=2, trust_env=False)
+        # it stays down until the clients met it down: a request sent after the kill failed
+        wait_until(lambda: any(r.sent >= killed and not r.ok for r in list(load.requests)), 30,
+                   "a request failed while no router ran")
         healthy = {r["member"]: r["healthy"] for r in seen["replicas"]}
         assert healthy == {kept: True, lost_member: False}, seen["replicas"]
         adopting = time.time()

@@ -5,12 +5,15 @@ to any port and read world-readable files. Here a second Unix user (made with us
 no privileges) attacks one deployment with the defaults a user starts from (Slurm, the router on, no
 serve.api_key_env): before `up`, it plants folders and links under the names Ray's temp folders had and
 tries the run folder's and the registry's names; then, from the login node and from the replica's compute
-node, it calls every vLLM route of the replica with no key and a wrong one, the router, the router's other
-ports and sockets, the monitor, reads and plants files in the run folder and HPCSERVE_HOME, connects to
-Ray's sockets, GETs / and /metrics on every port that listens on the node (issue 31: Ray's Prometheus
-pages answered there), and reads every process's command line and environment. Every attempt must fail,
-the deployment keeps serving its owner, and none of its folders, Ray's on the node included, is open to
-others. After `down` no copy of the key is left.
+node, it calls every vLLM route of the replica with no key and a wrong one, the router, the data plane's
+admin routes on the router's port (plane_admin.py's table: each must get the router's JSON 401; they are
+served on the owner-only admin socket alone), the router's other ports and sockets, the monitor, reads and
+plants files in the run folder and HPCSERVE_HOME, connects to Ray's sockets, GETs / and /metrics on every
+port that listens on the node (issue 31: Ray's Prometheus pages answered there), and reads every process's
+command line and environment. Every attempt must fail (a route of the engines, the router or the monitor:
+refused with 401 or 403, a timeout or a reset being no refusal; a Unix socket: its connect refused), the
+deployment keeps serving its owner with the backends it had, and none of its folders, Ray's on the node
+included, is open to others. After `down` no copy of the key is left.
 
 The attempts run as that user in tests/cluster/hostile_attempts.py (the system's python3, standard library
 only).
@@ -38,6 +41,7 @@ from helpers import run_cli, write_config
 from test_distributed_serving import status_of
 from test_slurm_ray import squeue_empty
 
+from hpcserve.core.paths import RunPaths
 from hpcserve.core.runstate import RunState
 from hpcserve.engine.kv_events import RELAY_PATH
 
@@ -68,6 +72,7 @@ class Target:
     member_dirs: list[Path]
     node: str
     router_pids: list[int]
+    admin_socket: Path
 
 
 # ---------------------------------------------------------------- the second user
@@ -195,7 +200,7 @@ def target_of(name: str) -> Target:
     node = RunState.read(member_dirs[0]).replicas[0]["nodes"][0]
     return Target(status["endpoint"], run_dir, key_file.read_text().strip() if key_file.exists() else None,
                   [r["url"] for r in status["replicas"]], member_dirs, node,
-                  [router.pid, *(c.pid for c in router.children(recursive=True))])
+                  [router.pid, *(c.pid for c in router.children(recursive=True))], RunPaths(run_dir).router_admin)
 
 
 def start_monitor(name: str, key: str | None):
@@ -216,6 +221,29 @@ def engine_routes(replica: str, key: str | None) -> list[tuple[str, str]]:
               for method in item if method in ("get", "post", "put", "delete", "patch")}
     routes -= {("GET", "/health")}  # open by design (no data): judged on its own row
     return sorted(routes | {("GET", "/metrics"), ("GET", "/openapi.json"), ("GET", "/docs"), ("GET", RELAY_PATH)})
+
+
+def admin_routes() -> list[tuple[str, str]]:
+    """The data plane's admin API as its code declares it (plane_admin.admin_app's route table; a supervisor
+    of several workers, endpoint/workers.py, serves the same routes but /stats): served on the owner-only
+    Unix socket alone."""
+    from hpcserve.endpoint.plane_admin import admin_app
+
+    routes = sorted({(r.method, r.resource.canonical) for r in admin_app(None).router.routes() if r.method != "HEAD"})
+    assert {("GET", "/backends"), ("PUT", "/backends"), ("POST", "/handover")} <= set(routes), routes
+    return routes
+
+
+STRANGER_BACKEND = "http://198.18.0.1:9"  # the login node's address: a backend the stranger would add
+
+
+def admin_attempts(target: Target) -> list[tuple[str, str, dict | None]]:
+    """Each admin route tried on the endpoint's client port, with a body that would change what it serves:
+    the stranger's own backend as the whole set, the replica handed over."""
+    bodies = {("PUT", "/backends"): {"backends": [{"url": STRANGER_BACKEND}]},
+              ("POST", "/handover"): {"urls": target.replicas}}
+    queries = {"/migrations": "?after=0"}
+    return [(method, path + queries.get(path, ""), bodies.get((method, path))) for method, path in admin_routes()]
 
 
 def router_listeners(pids: list[int]) -> tuple[list[str], list[str]]:
@@ -261,9 +289,10 @@ def login_plan(target: Target, monitor: str, arena: Path) -> dict:
         "monitor|/api/status": {"method": "GET", "url": f"{monitor}/api/status"},
         "monitor|/metrics": {"method": "GET", "url": f"{monitor}/metrics"},
     })
-    for path, method in (("/add_worker?url=http://198.18.0.1:9", "POST"), (f"/remove_worker?url={target.replicas[0]}",
-                         "POST"), ("/workers", "GET"), ("/list_workers", "GET"), ("/metrics", "GET")):
-        http[f"admin|{method} {path}"] = {"method": method, "url": endpoint + path}
+    for method, path, body in admin_attempts(target):
+        for label, headers in (("no key", {}), ("wrong key", WRONG)):
+            http[f"admin|{method} {path}|{label}"] = {"method": method, "url": endpoint + path, "headers": headers,
+                                                      "body": body}
     tcp, unix = router_listeners(target.router_pids)
     serve_port = endpoint.rsplit(":", 1)[1]
     for address in (a for a in tcp if not a.endswith(f":{serve_port}")):
@@ -320,7 +349,17 @@ def owned_paths(roots: list[Path]) -> tuple[list[str], list[str]]:
 # ---------------------------------------------------------------- judging
 
 def refused(answer: dict) -> bool:
-    return answer.get("status") in (401, 403) or answer.get("status") is None
+    """An HTTP refusal: 401 or 403. A timeout, a reset or a refused connection is no refusal: the attempt got
+    no answer, so it shows nothing about what the server would have allowed."""
+    return answer.get("status") in (401, 403)
+
+
+SOCKET_REFUSALS = ("PermissionError", "ConnectionRefusedError")  # what a Unix socket's connect() refuses with
+
+
+def socket_refused(outcome: str) -> bool:
+    """The connect itself refused (the socket's folder or mode, nobody accepting); a timeout is no refusal."""
+    return outcome in SOCKET_REFUSALS
 
 
 def guard_refusal(answer: dict) -> bool:
@@ -355,18 +394,42 @@ def judge_router(report: dict, target: Target) -> list[Row]:
     rows.append(Row("router: its 401 is OpenAI JSON naming hpcserve", "yes" if json_401 else
                     f"body {calls['router|completion|no key'].get('body', '')[:80]!r}", json_401))
     admin = {k: v for k, v in http.items() if k.startswith("admin|")}
-    rows.append(Row("router: admin routes on its TCP port (add/remove a worker, list them, metrics)",
-                    ", ".join(f"{k.split('|', 1)[1]}: {v.get('status')}" for k, v in admin.items()),
-                    all(refused(v) or v.get("status") == 404 for v in admin.values())))
+    # Every admin route on the client port gets the data plane's own 401, but GET /health: open there by
+    # design (this process lives), 200 with an empty body, not the admin socket's answer (pid, port).
+    health = {k: admin.pop(k) for k in [k for k in admin if k.startswith("admin|GET /health|")]}
+    expected = {f"admin|{m} {p}|{label}" for m, p, _ in admin_attempts(target) if p != "/health"
+                for label in ("no key", "wrong key")}
+    rows.append(Row(f"router: its admin routes on its TCP port, no key or a wrong one ({len(admin) // 2}: "
+                    "set the backends, hand over, read them, migrations, metrics, stats)",
+                    ", ".join(f"{k.split('|', 1)[1]}: {v.get('status') or v.get('error', '')[:40]}"
+                              for k, v in admin.items()),
+                    set(admin) == expected and all(guard_refusal(v) for v in admin.values())))
+    rows.append(Row("router: GET /health on its TCP port (open: no data, not the admin socket's)",
+                    ", ".join(f"{k.split('|', 2)[2]}: {v.get('status')} {(v.get('body') or '')[:40]!r}"
+                              for k, v in health.items()),
+                    len(health) == 2 and all(v.get("status") == 200 and not v.get("body") for v in health.values())))
     ports = {k: v for k, v in http.items() if k.startswith("router-port|")}
     rows.append(Row("router: its other TCP ports (metrics, key validator)",
                     ", ".join(f"{k.split('|', 1)[1]}: {v.get('status') or v.get('error', '')[:40]}"
                               for k, v in ports.items()) or "none",
                     all(refused(v) or v.get("status") == 404 for v in ports.values())))
     sockets = report["connect"]
-    rows.append(Row("router: its Unix sockets (the admin socket)", json.dumps(sockets) if sockets else "none",
-                    all(v != "connected" for v in sockets.values())))
+    rows.append(Row("router: its Unix sockets (the admin socket: every admin route)",
+                    json.dumps(sockets) if sockets else "none",
+                    str(target.admin_socket) in sockets and all(socket_refused(v) for v in sockets.values())))
+    rows.append(admin_unchanged(target))
     return rows
+
+
+def admin_unchanged(target: Target) -> Row:
+    """The owner's view through the admin socket after the attempts: the replicas alone, none handed over."""
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(target.admin_socket)), base_url="http://router",
+                      timeout=30) as admin:
+        state = admin.get("/backends").raise_for_status().json()
+    urls = sorted(b["url"] for b in state["backends"])
+    retired = [b["url"] for b in state["retired"]]
+    return Row("router: its backends after the attempts (the owner's admin socket)",
+               f"backends {urls}, retired {retired}", urls == sorted(target.replicas) and not retired)
 
 
 def judge_monitor(report: dict) -> list[Row]:
@@ -399,9 +462,9 @@ def judge_processes(report: dict, key: str | None, where: str) -> list[Row]:
 
 def judge_ray_sockets(report: dict) -> list[Row]:
     sockets = report["connect"]
-    joined = [p for p, got in sockets.items() if got == "connected"]
+    not_refused = {p: got for p, got in sockets.items() if not socket_refused(got)}
     return [Row(f"compute node: connect to Ray's Unix sockets ({len(sockets)})",
-                f"connected: {joined}" if joined else "all refused", bool(sockets) and not joined)]
+                f"not refused: {not_refused}" if not_refused else "all refused", bool(sockets) and not not_refused)]
 
 
 def judge_ports(report: dict) -> list[Row]:

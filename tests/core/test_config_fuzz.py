@@ -8,6 +8,7 @@ HPCSERVE_FUZZ_EXAMPLES to search further by hand."""
 from __future__ import annotations
 
 import os
+import re
 import types
 from typing import Literal, Union, get_args, get_origin
 
@@ -73,14 +74,30 @@ def field_paths(model: type[BaseModel], prefix: str = "") -> set[str]:
 
 
 PATHS = sorted(field_paths(DeploymentConfig), key=len, reverse=True)
+# A field named whole: a dotted path or a field's name, not inside a longer word or path ('env' is not in
+# 'environment', 'port' not in 'portable' or 'x.port'); a path may go on into a list index or an unknown key
+# under it ('replica_groups.0', 'serve.modle').
+NAMES_A_FIELD = re.compile(r"(?<![\w.-])(?:%s)(?![\w-])" % "|".join(map(re.escape, PATHS)))
 
 
 def assert_names_a_field(error: ConfigError) -> None:
     text = str(error)
-    assert "Traceback" not in text
+    assert "Traceback (most recent call last)" not in text  # a config may name itself Traceback
     lines = [line.removeprefix("  - ") for line in text.split(": ", 1)[1].splitlines() if line.strip()]
     for line in lines:
-        assert any(path in line for path in PATHS), f"an error line names no field: {line!r}"
+        assert NAMES_A_FIELD.search(line), f"an error line names no field: {line!r}"
+
+
+def test_the_check_wants_a_whole_field_name_or_path():
+    for line in ("'engine.env' = 1: Input should be a valid dictionary", "'replica_groups.0' = 1: bad",
+                 "unknown key 'serve.modle'. Valid keys here: host, port", "'name' is required: add it",
+                 "it needs cluster.scheduler 'slurm' and serve.router true"):
+        assert_names_a_field(ConfigError(f"config: {line}"))
+    for line in ("'environment' = 1: Input should be a valid dictionary", "'hostname' = 'x': bad",
+                 "'portable' = 1: Input should be a valid integer", "unknown key 'modle'",
+                 "Input should be a valid string", "'model_path' is required"):
+        with pytest.raises(AssertionError, match="an error line names no field"):
+            assert_names_a_field(ConfigError(f"config: {line}"))
 
 
 VALID_BASE = {"name": "fuzz", "model": {"path": "builtin:tiny-llama"}}

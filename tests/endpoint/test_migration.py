@@ -3,7 +3,7 @@ streams recorded from vLLM 0.32 on CPU (the tiny model, greedy; below), and a sm
 written after vLLM's streaming code (its detokenizer's UTF-8 and stop-string lags, vllm#48853's leak of the
 prompt text for a prompt that ends inside a character, its events' fields in order), which generates a
 fixed story greedily so that every cut can be checked against the uninterrupted run. The same check on
-real vLLM: test_migration_vllm.py (slow)."""
+real vLLM: test_router_vllm.py's test_a_stream_cut_anywhere_continues_exactly (slow)."""
 
 from __future__ import annotations
 

@@ -211,10 +211,15 @@ def test_killed_backend_costs_no_request_and_new_backend_gets_traffic(pool, all_
     stop_event = threading.Event()
     threads, result = run_load(router.url, "stub", stop_event, workers=4)
     try:
-        time.sleep(1.0)
+        # under load, with a request running on d (each takes 8 x 20 ms)
+        wait_for(lambda: result.served_by.get("d", 0) > 0 and stub_stats(url)["in_flight"] > 0)
         os.killpg(proc.pid, signal.SIGKILL)  # kill -9, mid-load
         proc.wait()
-        time.sleep(2.0)
+        ok_at_kill = result.ok
+        # until requests met the dead d (the data plane marks it failed, each sent on elsewhere) and 20 more
+        # were served after the kill; a failure ends the wait (asserted below)
+        wait_for(lambda: result.failed or (result.ok >= ok_at_kill + 20 and not next(
+            b for b in router.backends() if b.url == url).healthy))
     finally:
         stop_event.set()
         for thread in threads:
@@ -288,10 +293,25 @@ def test_malformed_huge_and_slow_requests_get_json_4xx_and_the_server_serves_on(
         chunked = (b"POST /v1/completions HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n" + auth + b"\r\n"
                    + (b"100000\r\n" + b"x" * 0x100000 + b"\r\n") * 2 + b"0\r\n\r\n")
         assert _status(_raw(strict, chunked)) == 413
+        # A body that is not UTF-8, read as JSON (typed so, or untyped): the data plane refuses it itself, a 400
+        # in OpenAI's error shape (vLLM 0.32 answers FastAPI's {"detail": ...}); no engine sees it.
         body = b'{"model": "stub", "prompt": "\xff\xfe bad utf-8"}'
-        bad_utf8 = _raw(strict, b"POST /v1/completions HTTP/1.1\r\nHost: h\r\nConnection: close\r\nContent-Length: "
-                        + str(len(body)).encode() + b"\r\n" + auth + b"\r\n" + body)
-        assert 400 <= _status(bad_utf8) < 600  # the engine's answer, passed on; the data plane does not decode
+
+        def post(content_type: bytes) -> tuple[bytes, dict]:
+            answer = _raw(strict, b"POST /v1/completions HTTP/1.1\r\nHost: h\r\nConnection: close\r\n" + content_type
+                          + b"Content-Length: " + str(len(body)).encode() + b"\r\n" + auth + b"\r\n" + body)
+            head = answer.split(b"\r\n\r\n", 1)[0].lower()
+            assert _status(answer) == 400 and b"\r\ncontent-type: application/json" in head, answer[:300]
+            error = _json_error(answer)
+            assert isinstance(error["message"], str) and error["message"] and isinstance(error["type"], str), error
+            return head, error
+
+        for typed in (b"Content-Type: application/json\r\n", b""):
+            head, error = post(typed)
+            assert error["code"] == "invalid_request_body" and b"\r\nx-backend:" not in head, (typed, head, error)
+        # Typed otherwise, no engine reads it as JSON: it goes on, the engine's 400 (OpenAI's shape) comes back
+        head, error = post(b"Content-Type: text/plain\r\n")
+        assert b"\r\nx-backend: " in head and error["code"] == 400, (head, error)  # the stand-in named itself
         bad_header = _raw(strict, b"GET /v1/models HTTP/1.1\r\nHost: h\r\nConnection: close\r\n"
                           b"Authorization: Bearer \xff\xfe\r\n\r\n")
         assert _status(bad_header) == 401

@@ -277,19 +277,25 @@ def test_spread_drain_kill_and_add(router, engines):
     assert all(_served(url) > before[url] for url in (url_a, url_b))
 
     # drain: a long stream on b; b leaves the pool and hands it over: it goes on on a at once (the data plane
-    # says so), whole, its greedy text that of an uninterrupted run, and nothing new reaches b
-    # (1,500 tokens, seconds on these cores: the stream is under way once its first events came, and the
-    # router's calls that follow must reach the data plane before it ends, even beside the other worker's
-    # tests; 400 tokens ended first once in CI)
+    # says so), whole, its greedy text that of an uninterrupted run, and nothing new reaches b.
+    # b runs only in short steps until the stream is under way, then stays frozen until the data plane has moved
+    # it (_run_until): the stream is still open when it is handed over, however slow this process and the
+    # router's calls are on busy cores. (Timed instead, the stream ended first: 400 tokens once in CI, then
+    # 1,500 in a loaded run.) Resumed, b aborts the stream the data plane closed: drained.
     body = {"model": MODEL, "prompt": "drain", "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
     reference = streamed(url_a, body)  # uninterrupted, straight from an engine
     router.remove(url_a, drain_s=30)
     got, under_way = {}, threading.Event()
     reader = threading.Thread(target=lambda: got.update(streamed(router.url, body, under_way=under_way)))
     reader.start()
-    assert under_way.wait(60), "the stream to be handed over did not start"
-    router.add(url_a)
-    assert router.remove(url_b, drain_s=120, hand_over=True) is True
+    try:
+        _run_until(proc_b, under_way.is_set, "the stream to be handed over under way")
+        router.add(url_a)
+        router.remove(url_b, drain_s=0, hand_over=True)  # out of the pool, its open streams moved now
+        _wait(lambda: [m for m in router.migrations(0) if m["from"] == url_b], 60)
+    finally:
+        os.killpg(proc_b.pid, signal.SIGCONT)
+    assert router.remove(url_b, drain_s=120) is True
     served_b = _served(url_b)
     for _ in range(3):
         assert httpx.post(f"{router.url}/v1/completions", headers=headers(), timeout=60,
@@ -304,13 +310,19 @@ def test_spread_drain_kill_and_add(router, engines):
     # kill -9 an engine under load: no request fails (those it had not begun answering go to b), and the
     # streams open on it continue on b. The streams start while b is still out of the pool, so all of them are
     # on a (left to the prefix policy, they once all went to b and there was nothing to migrate); b joins once
-    # they are under way, then takes the load beside a.
-    streams = [{"model": MODEL, "prompt": f"stream {i} of the kill", "max_tokens": 400, "ignore_eos": True,
+    # they are under way, then takes the load.
+    # a runs only in short steps until every stream is under way, then stays frozen until the kill
+    # (_run_until): each stream it has not finished is still open when it dies, however slow this process, b's
+    # join and the load are on busy cores. Timed instead, 400-token streams ended before the kill (5 of 6 on an
+    # idle machine, all of them in the failing runs: nothing migrated); frozen once this process had seen them
+    # all start in a's /metrics, they had all ended in 2 of 10 loaded runs.
+    length = 1000  # a makes hundreds of tokens a second while it runs: room for steps that overrun on busy cores
+    streams = [{"model": MODEL, "prompt": f"stream {i} of the kill", "max_tokens": length, "ignore_eos": True,
                 "temperature": 0} for i in range(4)]
-    streams += [{"model": MODEL, "messages": [{"role": "user", "content": f"chat {i} of the kill"}], "max_tokens": 400,
-                 "ignore_eos": True, "temperature": 0} for i in range(2)]
+    streams += [{"model": MODEL, "messages": [{"role": "user", "content": f"chat {i} of the kill"}],
+                 "max_tokens": length, "ignore_eos": True, "temperature": 0} for i in range(2)]
     outcomes: list = [None] * len(streams)
-    under_way = [threading.Event() for _ in streams]
+    under_way = [_Stamped() for _ in streams]
 
     def read(index: int) -> None:
         try:
@@ -319,14 +331,21 @@ def test_spread_drain_kill_and_add(router, engines):
             outcomes[index] = {"broken": repr(exc)}
 
     readers = [threading.Thread(target=read, args=(i,)) for i in range(len(streams))]
+    started = time.monotonic()
     [reader.start() for reader in readers]
-    _wait(lambda: all(e.is_set() for e in under_way), 60)
-    router.add(url_b)
-    threads, result = run_load(router.url, MODEL, stop_event := threading.Event(), workers=4, max_tokens=8)
-    killed_at = len(router.migrations(0))
-    open_at_kill = sum(reader.is_alive() for reader in readers)
-    os.killpg(proc_a.pid, signal.SIGKILL)
-    proc_a.wait()
+    try:
+        _run_until(proc_a, lambda: all(e.is_set() for e in under_way), "the streams to be cut under way")
+        frozen = time.monotonic()
+        router.add(url_b)
+        served_b = _served(url_b)
+        threads, result = run_load(router.url, MODEL, stop_event := threading.Event(), workers=4, max_tokens=8)
+        _wait(lambda: _served(url_b) > served_b, 60)  # under load: b answers it (what went to a waits there)
+        open_at_kill = [i for i, reader in enumerate(readers) if reader.is_alive()]
+        killed_at = len(router.migrations(0))
+    finally:
+        os.killpg(proc_a.pid, signal.SIGKILL)
+        proc_a.wait()
+    frozen_s = time.monotonic() - frozen
     served_b = _served(url_b)
     [reader.join(300) for reader in readers]
     _wait(lambda: _served(url_b) > served_b, 60)  # the added engine took the traffic
@@ -339,13 +358,48 @@ def test_spread_drain_kill_and_add(router, engines):
     moved = router.migrations(0)[killed_at:]
     broken = [o for o in outcomes if not o or "broken" in o or not o["done"] or o["errors"]]
     differ = [i for i, o in enumerate(outcomes) if o and "text" in o and o["text"] != references[i]["text"]]
-    print(f"\nFIGURES kill -9 under streams: {len(streams)} streams, {open_at_kill} open at the kill, "
-          f"{len(moved)} migrated ({sorted({m['cause'] for m in moved})}), {len(streams) - len(broken)} completed, "
-          f"{len(broken)} broken, {len(differ)} with text unlike an uninterrupted run's")
+    print(f"\nFIGURES kill -9 under streams: {len(streams)} streams, under way after "
+          f"{[round(e.at - started, 1) for e in under_way]} s, a frozen then ({frozen_s:.1f} s before the kill), "
+          f"{len(open_at_kill)} open at the kill, {len(moved)} migrated ({sorted({m['cause'] for m in moved})}, "
+          f"after {sorted(m['tokens'] for m in moved)} tokens), {len(streams) - len(broken)} completed, "
+          f"{len(broken)} broken, {len(differ)} with text unlike an uninterrupted run's; streams' seconds "
+          f"{[round(o.get('seconds', 0), 1) for o in outcomes if o]}")
     assert not broken and not differ, (broken, differ)
-    assert moved and all(m["from"] == url_a and m["to"] == url_b for m in moved), moved
+    # Each stream a had not finished moved to b mid-stream, once (one that did not would be broken above); the
+    # last to get under way at least. (<=: a reader may still be reading the end of a stream a had finished)
+    assert 0 < len(moved) <= len(open_at_kill), (open_at_kill, moved)
+    assert all(m["from"] == url_a and m["to"] == url_b and m["cause"] == "broken" and m["tokens"] < length
+               for m in moved), moved
     assert router.remove(url_a, drain_s=1) is False  # dead: nothing to drain, and out of the pool
     assert [b.url for b in router.backends()] == [url_b]
+
+
+def _run_until(proc: subprocess.Popen, condition, what: str, timeout_s: float = 60, step_s: float = 0.05) -> None:
+    """Let an engine (its process group) run in steps of step_s, frozen (SIGSTOP) between them, until condition()
+    holds while it is frozen; it is left frozen. Between steps the readers catch up with what it sent: a test
+    process starved of CPU (seen: its clients read a stream's 5th event after the engine had made 367 of 400
+    tokens) cannot let a stream run to its end unseen."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        os.killpg(proc.pid, signal.SIGCONT)
+        time.sleep(step_s)
+        os.killpg(proc.pid, signal.SIGSTOP)
+        caught_up = time.monotonic() + 1.0
+        while time.monotonic() < caught_up:
+            if condition():
+                return
+            time.sleep(0.02)
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
+
+
+class _Stamped(threading.Event):
+    """An event that keeps when it was set."""
+
+    at = 0.0
+
+    def set(self) -> None:
+        self.at = time.monotonic()
+        super().set()
 
 
 def _wait(condition, timeout_s: float) -> None:

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -21,11 +24,22 @@ def ray_local():
     os.environ.pop("OMP_NUM_THREADS", None)  # the job sets none: Ray's own choice shows
     # No token: with auth on, Ray 2.60 writes ~/.ray/auth_token, which changes later `ray start`s.
     os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray.init(num_cpus=1, num_gpus=0, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-    for name, value in saved.items():
-        os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
+    # Ray's files in a folder of the test's own, removed at the end: by default ray.init puts its session
+    # in /tmp/ray and leaves it there after shutdown, its subfolders world-writable. Short (Ray's Unix socket
+    # paths have at most 107 bytes), 0700.
+    temp = Path(tempfile.mkdtemp(prefix="hps-ray-", dir="/tmp"))
+    try:
+        ray.init(num_cpus=1, num_gpus=0, include_dashboard=False, log_to_driver=False, _temp_dir=str(temp))
+        session = Path(ray._private.worker.global_worker.node.get_session_dir_path())
+        yield ray
+    finally:
+        ray.shutdown(wait_for_processes=True)  # none of Ray's processes writes there any more
+        shutil.rmtree(temp, ignore_errors=True)
+        for name, value in saved.items():
+            os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
+    # the session was ours, and nothing of it is left (in /tmp/ray, where ray.init puts it by default)
+    left = [path for path in (temp, Path("/tmp/ray") / session.name) if path.exists()]
+    assert session.parent == temp and not left, f"Ray's session folder {session} survived the stop: {left}"
 
 
 @pytest.mark.slow

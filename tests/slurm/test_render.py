@@ -2,7 +2,8 @@
 
 Regenerate the references after an intended change with
     HPCSERVE_UPDATE_REFERENCES=1 .venv/bin/python -m pytest tests/slurm/test_render.py
-and review the diff of tests/slurm/data/*.sbatch.
+which writes each reference that differs and fails that test ("reference updated"), then review the diff
+of tests/slurm/data/*.sbatch and rerun without the variable: only a comparison passes.
 """
 
 from __future__ import annotations
@@ -47,17 +48,22 @@ def with_cluster(cfg: DeploymentConfig, **cluster: object) -> DeploymentConfig:
 
 
 def assert_matches_reference(text: str, reference: Path) -> None:
+    """Passes only when the rendered text equals the stored reference. With HPCSERVE_UPDATE_REFERENCES=1 a
+    missing or different reference is written and the test still fails: the new reference is reviewed,
+    then the test rerun without the variable (or with it: equal now, it passes)."""
+    expected = reference.read_text() if reference.exists() else None
+    if text == expected:
+        return
     if UPDATE:
         reference.write_text(text)
-        return
-    if not reference.exists():
+        pytest.fail(f"reference updated: {reference}: review it (git diff) and rerun without "
+                    "HPCSERVE_UPDATE_REFERENCES", pytrace=False)
+    if expected is None:
         pytest.fail(f"{reference} is missing: create it with HPCSERVE_UPDATE_REFERENCES=1 and review it")
-    expected = reference.read_text()
-    if text != expected:
-        diff = "".join(difflib.unified_diff(expected.splitlines(keepends=True), text.splitlines(keepends=True),
-                                            fromfile=f"{reference.name} (reference)", tofile="rendered now"))
-        pytest.fail(f"rendered script differs from {reference}; if intended, rerun with "
-                    f"HPCSERVE_UPDATE_REFERENCES=1 and review:\n{diff}", pytrace=False)
+    diff = "".join(difflib.unified_diff(expected.splitlines(keepends=True), text.splitlines(keepends=True),
+                                        fromfile=f"{reference.name} (reference)", tofile="rendered now"))
+    pytest.fail(f"rendered script differs from {reference}; if intended, rerun with "
+                f"HPCSERVE_UPDATE_REFERENCES=1 and review:\n{diff}", pytrace=False)
 
 
 PROFILE_EXAMPLES = [("site-venv.yaml", "site-venv.sbatch"), ("site-apptainer.yaml", "site-apptainer.sbatch"),

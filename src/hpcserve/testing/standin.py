@@ -14,7 +14,9 @@ tokens x token delay. /metrics is a real vLLM /metrics page (50 KB, histograms a
 controller reads from a real engine), with running, waiting, KV-cache usage and finished requests
 filled in; --small-metrics serves only those four families.
  The prompts __answer_400__ and __answer_500__ get a client error and an engine error; __crash__ is
-counted and its connection cut without an answer (a request that kills its engine). --first-token-delay-ms
+counted and its connection cut without an answer (a request that kills its engine). A body that is no
+JSON object in UTF-8 gets 400 in OpenAI's error shape, as vLLM 0.32 answers invalid JSON (a body that is not
+UTF-8 gets FastAPI's 400 {"detail": ...} from vLLM instead). --first-token-delay-ms
 holds a stream's first chunk back (headers go at once, as vLLM's do) and a whole answer as long. A client
 that disconnects cancels its request at once, as vLLM aborts one whose connection closed.
 When HPCSERVE_STUB_API_KEY is set, requests without `Authorization: Bearer <key>` get 401, as vLLM does
@@ -135,7 +137,9 @@ async def _complete(request: web.Request) -> web.StreamResponse:
     stats = request.app[STATS]
     if not _authorized(request):
         return web.json_response({"error": "Unauthorized"}, status=401)
-    body = await request.json()
+    body = parsed_body(await request.read())
+    if body is None:  # as vLLM answers a body it cannot read as a JSON object (its validation error: 400)
+        return web.json_response(UNREADABLE_BODY, status=400)
     chat = request.path.endswith("/chat/completions")
     stats["last_body"] = body  # what the router forwarded (it re-serialises typed requests)
     if body.get("prompt") == BAD_PROMPT:  # a client error, as vLLM answers a bad request
@@ -157,6 +161,20 @@ async def _complete(request: web.Request) -> web.StreamResponse:
         return await _answer(request, body, chat)
     finally:
         request.app[SLOTS].release()
+
+
+UNREADABLE_BODY = {"error": {"message": "1 validation error: the body is not a JSON object in UTF-8",
+                             "type": "Bad Request", "param": "body", "code": 400}}
+
+
+def parsed_body(raw: bytes) -> dict | None:
+    """The request's JSON object; None for a body that is not UTF-8, not JSON, or no object. Pure.
+    (aiohttp's request.json() raised on such bodies: the stand-in answered 500, which no engine does.)"""
+    try:
+        body = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    return body if isinstance(body, dict) else None
 
 
 async def _answer(request: web.Request, body: dict, chat: bool) -> web.StreamResponse:
