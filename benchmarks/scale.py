@@ -46,7 +46,7 @@ from hpcserve.core.registry import Record
 from hpcserve.core.runstate import RunState
 from hpcserve.core.statuses import RunKind, RunStatus
 from hpcserve.deployment.runs import LocalRun
-from hpcserve.endpoint.router import Router
+from hpcserve.endpoint.control.plane_client import Router
 from hpcserve.testing.endpoint import FARM_ENV
 from hpcserve.testing.harness import ports_to_listen_on, spawn, stop, wait_until
 from hpcserve.testing.members import FarmClient

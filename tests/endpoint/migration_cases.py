@@ -11,9 +11,9 @@ import json
 import httpx
 from router_fixtures import KEY
 
-from hpcserve.endpoint import continuation as c
-from hpcserve.endpoint import migration as m
-from hpcserve.endpoint import sse
+from hpcserve.endpoint.dataplane import continuation as c
+from hpcserve.endpoint.dataplane import migration as m
+from hpcserve.endpoint.dataplane import sse
 
 MODEL = "tiny"
 HEADERS = {"Authorization": f"Bearer {KEY}"}

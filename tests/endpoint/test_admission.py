@@ -8,9 +8,9 @@ import asyncio
 
 import pytest
 
-from hpcserve.endpoint.admission import AGE_S, Admission, next_admitted
-from hpcserve.endpoint.balance import Affinity, BackendSpec, Pool
-from hpcserve.endpoint.prefix_index import prompt_blocks
+from hpcserve.endpoint.dataplane.admission import AGE_S, Admission, next_admitted
+from hpcserve.endpoint.dataplane.routing.table import Affinity, BackendSpec, Pool
+from hpcserve.endpoint.dataplane.routing.prefix_index import prompt_blocks
 
 A, B, C = "http://10.0.0.1:8001", "http://10.0.0.2:8001", "http://10.0.0.3:8001"
 

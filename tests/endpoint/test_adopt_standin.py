@@ -32,8 +32,8 @@ from hpcserve.core.keys import ApiKey, store_key
 from hpcserve.core.registry import Record, load_record, save_record
 from hpcserve.core.runstate import RunState
 from hpcserve.core.statuses import MemberRole, MemberStatus, RunKind, RunStatus, Stage
-from hpcserve.endpoint.members import Member
-from hpcserve.endpoint.router import Router, stop_router
+from hpcserve.endpoint.control.members import Member
+from hpcserve.endpoint.control.plane_client import Router, stop_router
 from hpcserve.testing.harness import wait_until
 
 NAME = "st-adopt"

@@ -11,10 +11,10 @@ import msgspec
 import pytest
 
 from hpcserve.core.statuses import Routing
-from hpcserve.endpoint.balance import Affinity, BackendSpec, Pool, cached_share, choose
-from hpcserve.endpoint.prefix_index import prompt_blocks
-from hpcserve.endpoint.prompt_tokens import PromptTokenizer
-from hpcserve.endpoint.token_index import TokenIndex, token_blocks
+from hpcserve.endpoint.dataplane.routing.table import Affinity, BackendSpec, Pool, cached_share, choose
+from hpcserve.endpoint.dataplane.routing.prefix_index import prompt_blocks
+from hpcserve.endpoint.dataplane.routing.prompt_tokens import PromptTokenizer
+from hpcserve.endpoint.dataplane.routing.token_index import TokenIndex, token_blocks
 from hpcserve.engine.kv_events import (
     CLEARED,
     CONFIG_FLAG,
@@ -125,7 +125,7 @@ def test_what_the_engine_holds_wins_over_what_was_sent_there():
 def test_a_prompt_on_its_way_into_a_cache_draws_its_repeats_until_the_engine_says_otherwise():
     """Its engine stores a prompt's blocks only once its prefill ran (seconds under load): meanwhile its
     repeats go where it was sent (PENDING_S at most), and an engine that clears its cache clears them."""
-    from hpcserve.endpoint.balance import PENDING_S
+    from hpcserve.endpoint.dataplane.routing.table import PENDING_S
 
     tokens = list(range(100))
     pool = two_backends(exact_on=B)

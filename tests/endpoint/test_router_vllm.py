@@ -21,7 +21,7 @@ from migration_cases import cut_anywhere
 from router_fixtures import KEY, headers, key_file, run_load, stream_times, streamed
 
 from hpcserve.core.statuses import Routing
-from hpcserve.endpoint.router import Router
+from hpcserve.endpoint.control.plane_client import Router
 from hpcserve.engine.args import KEY_GUARD, KV_EVENTS_RELAY
 from hpcserve.engine.client import completion_probe, kv_cache_size
 from hpcserve.engine.kv_events import HEARTBEAT_SEQ, RELAY_PATH, FrameReader, decode_batch

@@ -18,8 +18,8 @@ from router_fixtures import KEY, headers, key_file
 from test_migration import CHAT_PROMPT, PROMPT, client_body, decode, engine, events_of, summary, uninterrupted
 
 from hpcserve.core.statuses import Routing
-from hpcserve.endpoint import migration as m
-from hpcserve.endpoint.router import Router
+from hpcserve.endpoint.dataplane import migration as m
+from hpcserve.endpoint.control.plane_client import Router
 from hpcserve.testing.harness import wait_until
 
 ROUTE = {kind: route for route, kind in m.ROUTES.items()}

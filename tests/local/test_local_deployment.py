@@ -156,7 +156,7 @@ def test_the_endpoint_follows_the_engines_kv_events(deployment):
     CPU caches blocks of 128 tokens) shows up in its exact index. The controller told it the engine's KV
     cache size (from the engine's /metrics at join): admission and the index's bound work from it."""
     from hpcserve.core.paths import RunPaths
-    from hpcserve.endpoint.holding import read_backends
+    from hpcserve.endpoint.control.holding import read_backends
     from hpcserve.engine.client import kv_cache_size
     from hpcserve.testing.harness import wait_until
 

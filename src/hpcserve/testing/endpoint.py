@@ -18,8 +18,8 @@ from pathlib import Path
 
 from hpcserve.deployment.process import process_main
 from hpcserve.deployment.runs import Launcher, Runs
-from hpcserve.endpoint import process
-from hpcserve.endpoint.controller import JOB_CHECK_EVERY_S
+from hpcserve.endpoint.control import process
+from hpcserve.endpoint.control.controller import JOB_CHECK_EVERY_S
 from hpcserve.testing.members import StandinRuns
 
 FARM_ENV = "HPCSERVE_STANDIN_FARM"

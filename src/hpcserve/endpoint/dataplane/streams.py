@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from hpcserve.endpoint.balance import Backend, choose
-from hpcserve.endpoint.continuation import Continuation, detokenize_body, ending, start
-from hpcserve.endpoint.migration import CannotMigrate, Record, Request, why_not
-from hpcserve.endpoint.sse import DONE, DONE_MARK, EventSplitter, has_failure, is_failure, split_events, strip_ids
+from hpcserve.endpoint.dataplane.routing.table import Backend, choose
+from hpcserve.endpoint.dataplane.continuation import Continuation, detokenize_body, ending, start
+from hpcserve.endpoint.dataplane.migration import CannotMigrate, Record, Request, why_not
+from hpcserve.endpoint.dataplane.sse import DONE, DONE_MARK, EventSplitter, has_failure, is_failure, split_events, strip_ids
 
 DETOKENIZE_TIMEOUT_S = 10.0
 

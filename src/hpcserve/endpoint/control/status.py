@@ -14,9 +14,9 @@ from hpcserve.core.runstate import RunState, read_timeline
 from hpcserve.core.statuses import MemberStatus, RunKind, RunStatus
 from hpcserve.core.timeline import stage_breakdown
 from hpcserve.deployment.runs import run_of
-from hpcserve.endpoint.holding import holding, read_backends
-from hpcserve.endpoint.members import Member
-from hpcserve.endpoint.run import EndpointCheck, MemberCheck, inspect_endpoint
+from hpcserve.endpoint.control.holding import holding, read_backends
+from hpcserve.endpoint.control.members import Member
+from hpcserve.endpoint.control.run import EndpointCheck, MemberCheck, inspect_endpoint
 from hpcserve.engine.client import health_ok
 
 

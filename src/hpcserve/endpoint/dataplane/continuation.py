@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 
-from hpcserve.endpoint.migration import (
+from hpcserve.endpoint.dataplane.migration import (
     COMPLETIONS,
     DETOKENIZE_TAIL,
     REPLACEMENT,
@@ -33,7 +33,7 @@ from hpcserve.endpoint.migration import (
     Request,
     why_not,
 )
-from hpcserve.endpoint.sse import DONE
+from hpcserve.endpoint.dataplane.sse import DONE
 
 
 def detokenize_body(request: Request, progress: Progress) -> bytes | None:

@@ -30,7 +30,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from itertools import islice
 
-from hpcserve.endpoint.balance import MATCH_FRACTION, Affinity, Pool, cached_share
+from hpcserve.endpoint.dataplane.routing.table import MATCH_FRACTION, Affinity, Pool, cached_share
 
 # The share of the replicas' KV caches that prompts in flight may take before new prefills wait; the lower,
 # the more requests wait here to be reordered. On the GPU benchmark (128 requests of 2,000 tokens in flight,

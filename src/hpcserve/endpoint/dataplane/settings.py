@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpcserve.core.statuses import Routing
-from hpcserve.endpoint.admission import DEFAULT_SHARE
-from hpcserve.endpoint.plane_server import connection_cap
-from hpcserve.endpoint.wire import MODULE
+from hpcserve.endpoint.dataplane.admission import DEFAULT_SHARE
+from hpcserve.endpoint.dataplane.server import connection_cap
+from hpcserve.endpoint.dataplane.wire import MODULE
 
 MAX_WORKERS = 64
 

@@ -32,8 +32,8 @@ import json
 from dataclasses import dataclass, field
 from enum import Enum
 
-from hpcserve.endpoint.prefix_index import request_json
-from hpcserve.endpoint.sse import split_events
+from hpcserve.endpoint.dataplane.routing.prefix_index import request_json
+from hpcserve.endpoint.dataplane.sse import split_events
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"

@@ -12,7 +12,7 @@ The choice is pure (saturated_now, next_saturated); Rotation sends it to the rou
 
 from __future__ import annotations
 
-from hpcserve.endpoint.router import Router
+from hpcserve.endpoint.control.plane_client import Router
 from hpcserve.engine.metrics import EngineLoad, is_saturated
 
 

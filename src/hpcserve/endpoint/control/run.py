@@ -28,13 +28,13 @@ from hpcserve.core.runstate import RunState
 from hpcserve.core.statuses import MemberStatus, RunKind
 from hpcserve.deployment.preflight import Prepared, check_walltime
 from hpcserve.deployment.runs import LocalRun, run_of
-from hpcserve.endpoint.handover import handover_room
-from hpcserve.endpoint.members import Member
-from hpcserve.endpoint.router import is_router, router_serving, stop_router
+from hpcserve.endpoint.control.handover import handover_room
+from hpcserve.endpoint.control.members import Member
+from hpcserve.endpoint.control.plane_client import is_router, router_serving, stop_router
 from hpcserve.engine.client import health_ok
 from hpcserve.raycluster.nodefiles import remove_run_node_folders
 
-CONTROLLER_MODULE = "hpcserve.endpoint.process"
+CONTROLLER_MODULE = "hpcserve.endpoint.control.process"
 # Members whose job may still hold a replica (a stopping one's job may not have ended yet).
 CHECKED = (MemberStatus.LAUNCHING, MemberStatus.SERVING, MemberStatus.DRAINING, MemberStatus.STOPPING)
 

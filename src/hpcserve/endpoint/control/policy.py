@@ -8,12 +8,12 @@ from typing import TYPE_CHECKING, Protocol
 from hpcserve.core.config import Layout
 from hpcserve.core.runstate import Decision
 from hpcserve.core.statuses import MemberRole
-from hpcserve.endpoint.members import Member
+from hpcserve.endpoint.control.members import Member
 from hpcserve.slurm.parse import WillRun
 from hpcserve.slurm.states import JobInfo
 
 if TYPE_CHECKING:  # the pool brings the prober's async HTTP stack: not for every CLI call that reads a policy
-    from hpcserve.endpoint.pool import Pool
+    from hpcserve.endpoint.control.pool import Pool
 
 
 class ControlPlane(Protocol):

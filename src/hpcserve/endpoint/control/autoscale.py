@@ -7,10 +7,10 @@ import time
 
 from hpcserve.core.config import AutoscaleSpec
 from hpcserve.core.statuses import MemberRole, MemberStatus
-from hpcserve.endpoint.decisions import decide_scale, update_idle_since
-from hpcserve.endpoint.healing import MAX_FAILED_LAUNCHES
-from hpcserve.endpoint.members import single_replica
-from hpcserve.endpoint.policy import ControlPlane
+from hpcserve.endpoint.control.decisions import decide_scale, update_idle_since
+from hpcserve.endpoint.control.healing import MAX_FAILED_LAUNCHES
+from hpcserve.endpoint.control.members import single_replica
+from hpcserve.endpoint.control.policy import ControlPlane
 
 
 class Autoscaler:

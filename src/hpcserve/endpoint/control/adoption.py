@@ -20,7 +20,7 @@ from hpcserve.core.runstate import RunState, read_timeline
 from hpcserve.core.statuses import RunKind, RunStatus, Stage
 from hpcserve.deployment.follow import Event, UpResult, follow
 from hpcserve.deployment.runs import is_running, run_of
-from hpcserve.endpoint.run import EndpointCheck, adopt_endpoint, inspect_endpoint
+from hpcserve.endpoint.control.run import EndpointCheck, adopt_endpoint, inspect_endpoint
 
 ADOPT_TIMEOUT_S = 600.0  # a real completion per replica, a router start: seconds; a loaded site: more
 

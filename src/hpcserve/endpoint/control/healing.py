@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from hpcserve.core.config import Layout
 from hpcserve.core.statuses import MemberRole
-from hpcserve.endpoint.decisions import LAUNCHES_PER_ROUND
-from hpcserve.endpoint.policy import ControlPlane
+from hpcserve.endpoint.control.decisions import LAUNCHES_PER_ROUND
+from hpcserve.endpoint.control.policy import ControlPlane
 
 MAX_FAILED_LAUNCHES = 3  # members in a row that never became ready: stop replacing, say why
 

@@ -17,9 +17,9 @@ from aiohttp.web_protocol import RequestHandler
 from prometheus_client import CollectorRegistry, generate_latest
 
 from hpcserve.core.folders import private_dir
-from hpcserve.endpoint import wire
-from hpcserve.endpoint.plane_metrics import Collector
-from hpcserve.endpoint.sse import DONE_MARK
+from hpcserve.endpoint.dataplane import wire
+from hpcserve.endpoint.dataplane.metrics import Collector
+from hpcserve.endpoint.dataplane.sse import DONE_MARK
 
 # After a refusal the rest of a request is read and dropped this long (so the client gets the answer, not
 # a reset while it still sends), then the connection closes: aiohttp's 10 s would let slow clients linger.

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from hpcserve.endpoint.balance import Pool
-from hpcserve.endpoint.token_index import TokenIndex
+from hpcserve.endpoint.dataplane.routing.table import Pool
+from hpcserve.endpoint.dataplane.routing.token_index import TokenIndex
 from hpcserve.engine.kv_events import HEARTBEAT_S, HEARTBEAT_SEQ, RELAY_PATH, FrameReader, decode_batch
 
 READ_TIMEOUT_S = 5 * HEARTBEAT_S  # a relay sends a heartbeat each second: silence this long is a dead feed

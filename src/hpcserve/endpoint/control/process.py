@@ -1,4 +1,4 @@
-"""The endpoint: `python -m hpcserve.endpoint.process RUN_DIR`, one per deployment with serve.router on.
+"""The endpoint: `python -m hpcserve.endpoint.control.process RUN_DIR`, one per deployment with serve.router on.
 
 It runs where `hpcserve up` ran (the login node, or this machine in local mode) and outlives every job:
 
@@ -31,10 +31,10 @@ from hpcserve.core.runstate import RunState
 from hpcserve.core.statuses import MemberRole, MemberStatus, RunStatus, Stage
 from hpcserve.deployment.process import install_stop_handlers, process_main, run_to_end
 from hpcserve.deployment.runs import Launcher
-from hpcserve.endpoint.adopt import adopt
-from hpcserve.endpoint.controller import MEMBER_STOP_TIMEOUT_S, TICK_S, Controller
-from hpcserve.endpoint.members import Member, group_layouts
-from hpcserve.endpoint.router import Router, default_workers
+from hpcserve.endpoint.control.takeover import adopt
+from hpcserve.endpoint.control.controller import MEMBER_STOP_TIMEOUT_S, TICK_S, Controller
+from hpcserve.endpoint.control.members import Member, group_layouts
+from hpcserve.endpoint.control.plane_client import Router, default_workers
 from hpcserve.engine.args import routes_by_cache
 from hpcserve.engine.client import READY_PROMPT, completion_probe
 from hpcserve.engine.kv_events import flag_value
@@ -160,4 +160,4 @@ def run(run_dir: Path, runs: Launcher | None = None) -> int:
 
 
 if __name__ == "__main__":
-    process_main(run, "hpcserve.endpoint.process")
+    process_main(run, "hpcserve.endpoint.control.process")

@@ -22,10 +22,10 @@ from concurrent.futures import ThreadPoolExecutor
 from hpcserve.core.runstate import RunState
 from hpcserve.core.statuses import Adoption, MemberStatus
 from hpcserve.deployment.runs import run_of
-from hpcserve.endpoint.controller import Controller
-from hpcserve.endpoint.decisions import adopt_member, backend_changes
-from hpcserve.endpoint.members import Member, replica_urls
-from hpcserve.endpoint.router import stop_router
+from hpcserve.endpoint.control.controller import Controller
+from hpcserve.endpoint.control.decisions import adopt_member, backend_changes
+from hpcserve.endpoint.control.members import Member, replica_urls
+from hpcserve.endpoint.control.plane_client import stop_router
 from hpcserve.engine.client import completion_probe
 
 ADOPTED = "adopted"

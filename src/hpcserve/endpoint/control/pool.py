@@ -20,7 +20,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
-from hpcserve.endpoint.decisions import (
+from hpcserve.endpoint.control.decisions import (
     SLOW_PROBES_TO_LEAVE,
     LoadSample,
     ProbeResult,
@@ -29,9 +29,9 @@ from hpcserve.endpoint.decisions import (
     reads_due,
     should_leave,
 )
-from hpcserve.endpoint.probe import Kind, Prober, Result
-from hpcserve.endpoint.rotation import Rotation
-from hpcserve.endpoint.router import Router
+from hpcserve.endpoint.control.probe import Kind, Prober, Result
+from hpcserve.endpoint.control.rotation import Rotation
+from hpcserve.endpoint.control.plane_client import Router
 from hpcserve.engine.client import completion_probe, kv_cache_size
 from hpcserve.engine.metrics import EngineLoad
 

@@ -40,10 +40,10 @@ import aiohttp
 from aiohttp import web
 
 from hpcserve.core.statuses import Routing
-from hpcserve.endpoint.balance import Affinity, Backend, BackendSpec, Pool, record
-from hpcserve.endpoint.plane_metrics import Collector, Stats, merged_backends
-from hpcserve.endpoint.plane_server import bind_admin_socket, metrics_response, owner_only
-from hpcserve.endpoint.wire import PROCESS_TITLE
+from hpcserve.endpoint.dataplane.routing.table import Affinity, Backend, BackendSpec, Pool, record
+from hpcserve.endpoint.dataplane.metrics import Collector, Stats, merged_backends
+from hpcserve.endpoint.dataplane.server import bind_admin_socket, metrics_response, owner_only
+from hpcserve.endpoint.dataplane.wire import PROCESS_TITLE
 
 PR_SET_PDEATHSIG = 1
 DATAGRAM_BYTES = 1 << 18  # one message: a URL, up to MAX_BLOCKS 8-byte hashes and MAX_TOKENS token ids

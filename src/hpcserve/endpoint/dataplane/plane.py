@@ -49,22 +49,22 @@ from yarl import URL
 from hpcserve.core.errors import HpcserveError
 from hpcserve.core.keys import KeyCheck, read_key_file
 from hpcserve.core.statuses import Routing
-from hpcserve.endpoint import wire
-from hpcserve.endpoint.admission import Admission
-from hpcserve.endpoint.balance import Affinity, Backend, Pool, choose
-from hpcserve.endpoint.kv_feed import Feeds
-from hpcserve.endpoint.migration import Request as Migratable, prepare
-from hpcserve.endpoint.plane_admin import admin_app
-from hpcserve.endpoint.plane_metrics import CLIENT_CLOSED, Stats
-from hpcserve.endpoint.plane_server import (ClientServer, RelayedStream, answered_status, bind_admin_socket,
+from hpcserve.endpoint.dataplane import wire
+from hpcserve.endpoint.dataplane.admission import Admission
+from hpcserve.endpoint.dataplane.routing.table import Affinity, Backend, Pool, choose
+from hpcserve.endpoint.dataplane.kv_feed import Feeds
+from hpcserve.endpoint.dataplane.migration import Request as Migratable, prepare
+from hpcserve.endpoint.dataplane.admin import admin_app
+from hpcserve.endpoint.dataplane.metrics import CLIENT_CLOSED, Stats
+from hpcserve.endpoint.dataplane.server import (ClientServer, RelayedStream, answered_status, bind_admin_socket,
                                             client_sockets)
-from hpcserve.endpoint.plane_settings import Settings, parse_args
-from hpcserve.endpoint.prefix_index import request_json
-from hpcserve.endpoint.prompt_tokens import PromptTokenizer
-from hpcserve.endpoint.routing_log import RoutingLog
-from hpcserve.endpoint.streams import Lease, Migration, Stream
-from hpcserve.endpoint.wire import PROCESS_TITLE
-from hpcserve.endpoint.workers import supervise
+from hpcserve.endpoint.dataplane.settings import Settings, parse_args
+from hpcserve.endpoint.dataplane.routing.prefix_index import request_json
+from hpcserve.endpoint.dataplane.routing.prompt_tokens import PromptTokenizer
+from hpcserve.endpoint.dataplane.routing.log import RoutingLog
+from hpcserve.endpoint.dataplane.streams import Lease, Migration, Stream
+from hpcserve.endpoint.dataplane.wire import PROCESS_TITLE
+from hpcserve.endpoint.dataplane.workers import supervise
 
 # Engines (uvicorn) close idle keep-alive connections after 5 s; closing ours first spares requests the
 # race of a connection closed under them.

@@ -32,8 +32,8 @@ import math
 from dataclasses import dataclass, field
 
 from hpcserve.core.statuses import Routing
-from hpcserve.endpoint.prefix_index import TOKENS_PER_BLOCK, PrefixIndex
-from hpcserve.endpoint.token_index import TokenIndex, token_blocks
+from hpcserve.endpoint.dataplane.routing.prefix_index import TOKENS_PER_BLOCK, PrefixIndex
+from hpcserve.endpoint.dataplane.routing.token_index import TokenIndex, token_blocks
 from hpcserve.engine.capacity import DEFAULT_MAX_NUM_SEQS
 
 # A preferred backend may carry up to 1.25 x its share before prefix affinity yields to balance: the

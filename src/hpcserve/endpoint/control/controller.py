@@ -28,14 +28,14 @@ from hpcserve.core.statuses import MemberRole, MemberStatus, RunStatus, Stage
 from hpcserve.deployment.process import Stop
 from hpcserve.deployment.runs import Launcher, Runs, expected_start
 from hpcserve.deployment.watch import StartWatch
-from hpcserve.endpoint.autoscale import Autoscaler
-from hpcserve.endpoint.decisions import leave_reason, replace_failed_launch, served_during
-from hpcserve.endpoint.figures import control_figures
-from hpcserve.endpoint.handover import Handover
-from hpcserve.endpoint.healing import SelfHealing
-from hpcserve.endpoint.member_requests import MemberRequests
-from hpcserve.endpoint.migration_notes import MigrationNotes
-from hpcserve.endpoint.members import (
+from hpcserve.endpoint.control.autoscale import Autoscaler
+from hpcserve.endpoint.control.decisions import leave_reason, replace_failed_launch, served_during
+from hpcserve.endpoint.control.figures import control_figures
+from hpcserve.endpoint.control.handover import Handover
+from hpcserve.endpoint.control.healing import SelfHealing
+from hpcserve.endpoint.control.member_requests import MemberRequests
+from hpcserve.endpoint.control.migration_notes import MigrationNotes
+from hpcserve.endpoint.control.members import (
     Member,
     free_slot,
     member_capacity,
@@ -43,8 +43,8 @@ from hpcserve.endpoint.members import (
     pool_replicas,
     replica_urls,
 )
-from hpcserve.endpoint.pool import ROTATION_S, Pool
-from hpcserve.endpoint.router import Router, RouterError
+from hpcserve.endpoint.control.pool import ROTATION_S, Pool
+from hpcserve.endpoint.control.plane_client import Router, RouterError
 from hpcserve.slurm.parse import WillRun
 from hpcserve.slurm.states import JobInfo
 

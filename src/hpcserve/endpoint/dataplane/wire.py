@@ -11,8 +11,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 
-from hpcserve.endpoint.balance import Affinity
-from hpcserve.endpoint.prefix_index import prompt_blocks, prompt_text, request_json
+from hpcserve.endpoint.dataplane.routing.table import Affinity
+from hpcserve.endpoint.dataplane.routing.prefix_index import prompt_blocks, prompt_text, request_json
 
 # How the data plane's process is started and recognised (router.py starts it, dataplane.py is it): here,
 # so that the side that starts it does not import the server's async HTTP stack (a CLI call's 0.3 s).

@@ -18,9 +18,9 @@ import time
 
 from aiohttp import web
 
-from hpcserve.endpoint.balance import BackendSpec
-from hpcserve.endpoint.plane_metrics import Collector, Stats
-from hpcserve.endpoint.plane_server import metrics_response, owner_only
+from hpcserve.endpoint.dataplane.routing.table import BackendSpec
+from hpcserve.endpoint.dataplane.metrics import Collector, Stats
+from hpcserve.endpoint.dataplane.server import metrics_response, owner_only
 
 
 class Admin:

@@ -38,8 +38,8 @@ from hpcserve.core.errors import HpcserveError
 from hpcserve.core.keys import bearer
 from hpcserve.core.net import unix_socket_path, url_host
 from hpcserve.core.statuses import Routing
-from hpcserve.endpoint.balance import BackendSpec
-from hpcserve.endpoint.wire import MODULE, PROCESS_TITLE
+from hpcserve.endpoint.dataplane.routing.table import BackendSpec
+from hpcserve.endpoint.dataplane.wire import MODULE, PROCESS_TITLE
 from hpcserve.engine.capacity import DEFAULT_MAX_NUM_SEQS
 from hpcserve.engine.client import completion_probe, health_ok
 from hpcserve.engine.metrics import EngineLoad, engine_load, is_drained

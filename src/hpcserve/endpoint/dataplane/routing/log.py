@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from hpcserve.core.statuses import Routing
-from hpcserve.endpoint.balance import Affinity, Backend, Pool, cache_fill, cached_share, choose
+from hpcserve.endpoint.dataplane.routing.table import Affinity, Backend, Pool, cache_fill, cached_share, choose
 
 HEAD_TOKENS = 4
 

@@ -1,0 +1,1 @@
+"""Which replica takes a request: the routing state and its indexes of what each replica's cache holds."""
