@@ -30,7 +30,7 @@ from hpcserve.endpoint.control.decisions import (
     queue_estimate,
     served_during,
 )
-from hpcserve.endpoint.control.handover import Handover
+from hpcserve.endpoint.control.policies.handover import Handover
 from hpcserve.endpoint.control.members import Member
 from hpcserve.slurm.parse import WillRun
 from hpcserve.slurm.states import JobInfo, JobState

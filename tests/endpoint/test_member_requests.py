@@ -11,7 +11,7 @@ import pytest
 from hpcserve.core.errors import UsageError
 from hpcserve.core.runstate import RunStateWriter
 from hpcserve.core.statuses import MemberStatus, RunStatus
-from hpcserve.endpoint.control.member_requests import MemberRequests, ask_retire, pending, retire
+from hpcserve.endpoint.control.policies.member_requests import MemberRequests, ask_retire, pending, retire
 
 
 def endpoint_dir(tmp_path, status=RunStatus.READY):

@@ -28,13 +28,7 @@ from hpcserve.core.statuses import MemberRole, MemberStatus, RunStatus, Stage
 from hpcserve.deployment.process import Stop
 from hpcserve.deployment.runs import Launcher, Runs, expected_start
 from hpcserve.deployment.watch import StartWatch
-from hpcserve.endpoint.control.autoscale import Autoscaler
 from hpcserve.endpoint.control.decisions import leave_reason, replace_failed_launch, served_during
-from hpcserve.endpoint.control.figures import control_figures
-from hpcserve.endpoint.control.handover import Handover
-from hpcserve.endpoint.control.healing import SelfHealing
-from hpcserve.endpoint.control.member_requests import MemberRequests
-from hpcserve.endpoint.control.migration_notes import MigrationNotes
 from hpcserve.endpoint.control.members import (
     Member,
     free_slot,
@@ -43,8 +37,12 @@ from hpcserve.endpoint.control.members import (
     pool_replicas,
     replica_urls,
 )
-from hpcserve.endpoint.control.pool import ROTATION_S, Pool
 from hpcserve.endpoint.control.plane_client import Router, RouterError
+from hpcserve.endpoint.control.policies.handover import Handover
+from hpcserve.endpoint.control.policies.member_requests import MemberRequests
+from hpcserve.endpoint.control.policies.migration_notes import MigrationNotes
+from hpcserve.endpoint.control.policies.scaling import Autoscaler, SelfHealing
+from hpcserve.endpoint.control.pool import ROTATION_S, Pool
 from hpcserve.slurm.parse import WillRun
 from hpcserve.slurm.states import JobInfo
 
@@ -54,6 +52,7 @@ MEMBER_STOP_TIMEOUT_S = 60.0
 DRAIN_TIMEOUT_S = 120.0  # a drained replica is stopped after this even if requests still run on it
 FORWARDED_STAGES = (Stage.RAY, Stage.HEALTH, Stage.ENGINE)  # the first member's stages appear in the endpoint's timeline
 DECISIONS_KEPT = 100
+RECENT_ROUNDS = 20  # the last rounds' durations, in state.json as they are
 ROUNDS_KEPT = 300  # round durations kept for the round-time figures in state.json (five minutes)
 
 
@@ -394,3 +393,21 @@ class Controller:
                                                                                  self.runs.slurm_queries())},
                                autoscale=self.autoscaler.last,
                                decisions=[d.to_dict() for d in self.decisions[-20:]])
+
+
+def control_figures(round_s: list[float], step_s: list[float], slurm_queries: int | None) -> dict:
+    """The control plane's own figures for state.json: round and rotation-step times (ms), the last
+    rounds as they were, and the Slurm queries made."""
+    return {**percentiles_ms("round", round_s), **percentiles_ms("step", step_s),
+            "round_ms_recent": [round(1000 * s, 2) for s in round_s[-RECENT_ROUNDS:]],
+            "slurm_queries": slurm_queries}
+
+
+def percentiles_ms(name: str, durations: list[float]) -> dict:
+    ordered = sorted(durations)
+
+    def at(q: float) -> float | None:
+        return round(1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2) if ordered else None
+
+    return {f"{name}s_kept": len(ordered), f"{name}_ms_p50": at(0.5), f"{name}_ms_p99": at(0.99),
+            f"{name}_ms_max": at(1.0)}

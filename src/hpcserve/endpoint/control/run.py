@@ -28,7 +28,7 @@ from hpcserve.core.runstate import RunState
 from hpcserve.core.statuses import MemberStatus, RunKind
 from hpcserve.deployment.preflight import Prepared, check_walltime
 from hpcserve.deployment.runs import LocalRun, run_of
-from hpcserve.endpoint.control.handover import handover_room
+from hpcserve.endpoint.control.policies.handover import handover_room
 from hpcserve.endpoint.control.members import Member
 from hpcserve.endpoint.control.plane_client import is_router, router_serving, stop_router
 from hpcserve.engine.client import health_ok

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from hpcserve.endpoint.control.policy import ControlPlane
+from hpcserve.endpoint.control.policies.base import ControlPlane
 
 
 def describe(migration: dict) -> tuple[str, str]:

@@ -36,9 +36,9 @@ from hpcserve.endpoint.control.decisions import (
 )
 from hpcserve.deployment.preflight import walltime_check
 from hpcserve.deployment.runs import expected_start
-from hpcserve.endpoint.control.healing import MAX_FAILED_LAUNCHES
+from hpcserve.endpoint.control.policies.scaling import MAX_FAILED_LAUNCHES
 from hpcserve.endpoint.control.members import Member, member_config, single_replica
-from hpcserve.endpoint.control.policy import ControlPlane
+from hpcserve.endpoint.control.policies.base import ControlPlane
 from hpcserve.planning.walltime import LOAD_BASE_S, WalltimeCheck
 from hpcserve.slurm.parse import slurm_epoch, time_limit_seconds
 from hpcserve.slurm.states import JobState

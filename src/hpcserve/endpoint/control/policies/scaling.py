@@ -1,16 +1,41 @@
-"""Scale with the load: one more member when the queue stays above target, drain an idle one. The
-decision itself is decisions.decide_scale (pure)."""
+"""How many members serve: self-healing keeps their count (a member that was lost, not drained on purpose,
+gets a replacement, until launches keep failing); autoscale follows the load (one more member when the
+queue stays above target, an idle one drained; the decision itself is decisions.decide_scale, pure)."""
 
 from __future__ import annotations
 
 import time
 
-from hpcserve.core.config import AutoscaleSpec
+from hpcserve.core.config import AutoscaleSpec, Layout
 from hpcserve.core.statuses import MemberRole, MemberStatus
-from hpcserve.endpoint.control.decisions import decide_scale, update_idle_since
-from hpcserve.endpoint.control.healing import MAX_FAILED_LAUNCHES
+from hpcserve.endpoint.control.decisions import LAUNCHES_PER_ROUND, decide_scale, update_idle_since
 from hpcserve.endpoint.control.members import single_replica
-from hpcserve.endpoint.control.policy import ControlPlane
+from hpcserve.endpoint.control.policies.base import ControlPlane
+
+MAX_FAILED_LAUNCHES = 3  # members in a row that never became ready: stop replacing, say why
+
+
+class SelfHealing:
+    name = "keep_count"
+
+    def step(self, ctl: ControlPlane) -> None:
+        launched = 0
+        for member in ctl.members:
+            if not member.status.lost or member.retired or member.successor:
+                continue
+            if launched >= LAUNCHES_PER_ROUND:
+                return
+            if ctl.failed_launches >= MAX_FAILED_LAUNCHES:
+                member.successor = "none"
+                ctl.decide("give up", f"{ctl.failed_launches} launches in a row never became ready: "
+                           f"not replacing {member.name}; see its error in `hpcserve status`")
+                continue
+            successor = ctl.launch(MemberRole.REPLACEMENT, Layout(**member.layout), member.name, member.group)
+            member.successor = successor.name
+            launched += 1
+
+    def forget(self, url: str) -> None:
+        pass
 
 
 class Autoscaler:

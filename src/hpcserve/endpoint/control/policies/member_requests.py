@@ -17,7 +17,7 @@ from hpcserve.core.errors import UsageError
 from hpcserve.core.folders import private_dir
 from hpcserve.core.runstate import RunState
 from hpcserve.core.statuses import MemberStatus, RunStatus
-from hpcserve.endpoint.control.policy import ControlPlane
+from hpcserve.endpoint.control.policies.base import ControlPlane
 
 FOLDER = "requests"
 PREFIX = "retire-"
