@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from hpcserve.endpoint.dataplane.admission import AGE_S, Admission, next_admitted
-from hpcserve.endpoint.dataplane.routing.table import Affinity, BackendSpec, Pool
+from hpcserve.endpoint.dataplane.routing.table import Affinity, BackendSpec, RoutingTable
 from hpcserve.endpoint.dataplane.routing.prefix_index import prompt_blocks
 
 A, B, C = "http://10.0.0.1:8001", "http://10.0.0.2:8001", "http://10.0.0.3:8001"
@@ -34,8 +34,8 @@ def test_a_request_that_waited_long_goes_before_held_prefixes():
     assert next_admitted(waiting, room=600, idle=False, now=now) == 0
 
 
-def pool(kv_tokens: int | None = 1000) -> Pool:
-    p = Pool()
+def pool(kv_tokens: int | None = 1000) -> RoutingTable:
+    p = RoutingTable()
     p.update([BackendSpec(A, kv_tokens=kv_tokens), BackendSpec(B, kv_tokens=kv_tokens)])
     return p
 

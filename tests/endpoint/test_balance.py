@@ -14,7 +14,7 @@ from hpcserve.core.keys import read_key_file
 from hpcserve.core.net import UNIX_PATH_MAX, unix_socket_path
 from hpcserve.core.statuses import Routing
 from hpcserve.endpoint.dataplane import wire
-from hpcserve.endpoint.dataplane.routing.table import Affinity, Backend, BackendSpec, Pool, choose, least_loaded, within_share
+from hpcserve.endpoint.dataplane.routing.table import Affinity, Backend, BackendSpec, RoutingTable, choose, least_loaded, within_share
 from hpcserve.endpoint.dataplane.routing.prefix_index import (
     BLOCK_CHARS,
     DEFAULT_BLOCKS,
@@ -30,8 +30,8 @@ from hpcserve.engine.capacity import DEFAULT_MAX_NUM_SEQS, max_num_seqs
 from hpcserve.engine.metrics import EngineLoad
 
 
-def pool_of(*specs: BackendSpec) -> Pool:
-    pool = Pool()
+def pool_of(*specs: BackendSpec) -> RoutingTable:
+    pool = RoutingTable()
     pool.update(list(specs))
     return pool
 
@@ -40,7 +40,7 @@ def session(key: bytes) -> Affinity:
     return Affinity(session=key)
 
 
-def send(pool: Pool, policy: Routing, affinity: Affinity | None = None, now: float = 0.0) -> Backend:
+def send(pool: RoutingTable, policy: Routing, affinity: Affinity | None = None, now: float = 0.0) -> Backend:
     """A request that stays in flight."""
     backend = choose(pool, policy, affinity, now)
     backend.in_flight += 1

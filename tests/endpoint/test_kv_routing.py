@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from hpcserve.core.statuses import Routing
-from hpcserve.endpoint.dataplane.routing.table import Affinity, BackendSpec, Pool, cached_share, choose
+from hpcserve.endpoint.dataplane.routing.table import Affinity, BackendSpec, RoutingTable, cached_share, choose
 from hpcserve.endpoint.dataplane.routing.prefix_index import prompt_blocks
 from hpcserve.endpoint.dataplane.routing.prompt_tokens import PromptTokenizer
 from hpcserve.endpoint.dataplane.routing.token_index import TokenIndex, token_blocks
@@ -91,8 +91,8 @@ def test_the_exact_index_follows_stores_removals_and_clears():
     assert index.match(prompt) == 0 and index.blocks() == 0
 
 
-def two_backends(exact_on: str | None = None, complete: bool = True) -> Pool:
-    pool = Pool()
+def two_backends(exact_on: str | None = None, complete: bool = True) -> RoutingTable:
+    pool = RoutingTable()
     pool.update([BackendSpec(A, 8, kv_tokens=1024), BackendSpec(B, 8, kv_tokens=1024)])
     if exact_on:
         index = pool.exact[exact_on] = TokenIndex()

@@ -266,15 +266,15 @@ def test_a_backend_the_pool_did_not_join_itself_leaves_after_failed_probes_too(t
     # An adopting controller takes over replicas that joined under its lost predecessor: they serve without
     # a join here, and their probes must count (a node lost after adoption left only when Slurm said so).
     from hpcserve.endpoint.control.pool import Pool
-    from hpcserve.endpoint.control.probe import Kind, Probed, Result
+    from hpcserve.endpoint.control.probe import ProbeKind, Probed, Result
 
     router = Router("127.0.0.1", 0, None, tmp_path / "unused.log", admin_socket=tmp_path / "a.sock")
     pool = Pool(router, None, "tiny", 1.0, lambda: ["http://adopted:1"])
     try:
-        failed = Result("http://adopted:1", Kind.PROBE, Probed(False, "ConnectTimeout"), time.monotonic())
+        failed = Result("http://adopted:1", ProbeKind.PROBE, Probed(False, "ConnectTimeout"), time.monotonic())
         pool.absorb([failed, failed])
         assert pool.leaving() == ["http://adopted:1"]
-        pool.absorb([Result("http://gone:2", Kind.PROBE, Probed(False), time.monotonic())])
+        pool.absorb([Result("http://gone:2", ProbeKind.PROBE, Probed(False), time.monotonic())])
         assert "http://gone:2" not in pool.probes  # a backend that left stays forgotten
     finally:
         pool.prober.close()

@@ -1,6 +1,6 @@
 """Adopting from the command line (`hpcserve adopt NAME`, or `up` of the config an endpoint runs with):
 whether there is anything to adopt, the checks that refuse before anything starts, and the new
-controller followed until it has adopted. What the new controller does is endpoint/adopt.py."""
+controller followed until it has adopted. What the new controller does is control/resume.py."""
 
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from hpcserve.endpoint.control.decisions import (
     reads_due,
     should_leave,
 )
-from hpcserve.endpoint.control.probe import Kind, Prober, Result
+from hpcserve.endpoint.control.probe import ProbeKind, Prober, Result
 from hpcserve.endpoint.control.rotation import Rotation
 from hpcserve.endpoint.control.plane_client import Router
 from hpcserve.engine.client import completion_probe, kv_cache_size
@@ -138,7 +138,7 @@ class Pool:
             self.probes.setdefault(result.url, [])
             if result.probed.load is not None:
                 self.loads[result.url], self.last_read[result.url] = result.probed.load, result.finished
-            if result.kind is Kind.PROBE:
+            if result.kind is ProbeKind.PROBE:
                 recent = self.probes[result.url]
                 recent.append(ProbeResult(result.probed.ok, result.probed.detail, result.probed.late))
                 del recent[:-SLOW_PROBES_TO_LEAVE]

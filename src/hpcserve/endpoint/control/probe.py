@@ -56,7 +56,7 @@ def failure(exc: Exception) -> Probed:
     return Probed(False, f"{type(exc).__name__}: {exc}"[:200], late=isinstance(exc, aiohttp.SocketTimeoutError))
 
 
-class Kind(StrEnum):
+class ProbeKind(StrEnum):
     PROBE = "probe"  # /health and /metrics: is it alive (and its load)
     READ = "read"  # /metrics alone: its load, for the rotation
 
@@ -64,7 +64,7 @@ class Kind(StrEnum):
 @dataclass(frozen=True)
 class Result:
     url: str
-    kind: Kind
+    kind: ProbeKind
     probed: Probed
     finished: float  # time.monotonic()
 
@@ -80,7 +80,7 @@ class Prober:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="prober", daemon=True)
         self.thread.start()
-        self.in_flight: set[tuple[str, Kind]] = set()  # touched by the loop's thread only
+        self.in_flight: set[tuple[str, ProbeKind]] = set()  # touched by the loop's thread only
         self.done: deque[Result] = deque()  # appended by the loop's thread, emptied by collect()
         self.session, self.fresh, self.slots = self._run(self._open())
 
@@ -126,11 +126,11 @@ class Prober:
 
     async def _batch(self, probes: list[str], reads: list[str], probe_timeout_s: float, read_timeout_s: float) -> None:
         for url in probes:
-            self._launch(url, Kind.PROBE, self._probe_one, probe_timeout_s)
-        waited = [self._launch(url, Kind.READ, self._load_one, read_timeout_s) for url in reads]
+            self._launch(url, ProbeKind.PROBE, self._probe_one, probe_timeout_s)
+        waited = [self._launch(url, ProbeKind.READ, self._load_one, read_timeout_s) for url in reads]
         await asyncio.gather(*(task for task in waited if task is not None))
 
-    def _launch(self, url: str, kind: Kind, one, timeout_s: float) -> asyncio.Task | None:
+    def _launch(self, url: str, kind: ProbeKind, one, timeout_s: float) -> asyncio.Task | None:
         if (url, kind) in self.in_flight:
             return None
         self.in_flight.add((url, kind))

@@ -10,7 +10,7 @@ It runs where `hpcserve up` ran (the login node, or this machine in local mode) 
 SIGTERM drains nothing: it stops the members and the router, and nothing stays running.
 
 Started in a run folder whose state.json lists members, it adopts them instead (its predecessor was lost
-with the login node or killed): endpoint/adopt.py. A run folder with members is never started afresh,
+with the login node or killed): control/resume.py. A run folder with members is never started afresh,
 so no second set of jobs can appear beside the running ones. An adoption that fails leaves what ran as
 it was (the data plane kept serving without a controller; it does so still).
 """
@@ -31,10 +31,10 @@ from hpcserve.core.runstate import RunState
 from hpcserve.core.statuses import MemberRole, MemberStatus, RunStatus, Stage
 from hpcserve.deployment.process import install_stop_handlers, process_main, run_to_end
 from hpcserve.deployment.runs import Launcher
-from hpcserve.endpoint.control.takeover import adopt
 from hpcserve.endpoint.control.controller import MEMBER_STOP_TIMEOUT_S, TICK_S, Controller
 from hpcserve.endpoint.control.members import Member, group_layouts
 from hpcserve.endpoint.control.plane_client import Router, default_workers
+from hpcserve.endpoint.control.resume import resume
 from hpcserve.engine.args import routes_by_cache
 from hpcserve.engine.client import READY_PROMPT, completion_probe
 from hpcserve.engine.kv_events import flag_value
@@ -63,7 +63,7 @@ def adopt_and_control(ctl: Controller, previous: RunState, adopted: threading.Ev
     """Take over what the lost controller left running, then control it as if it had been ours."""
     ctl.writer.begin(Stage.ADOPT, f"controller pid {os.getpid()} takes over {len(previous.members)} member(s) "
                                   "and the router")
-    summary = adopt(ctl, previous)
+    summary = resume(ctl, previous)
     ctl.ready = True
     adopted.set()
     ctl.writer.done(Stage.ADOPT, summary)

@@ -30,7 +30,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from itertools import islice
 
-from hpcserve.endpoint.dataplane.routing.table import MATCH_FRACTION, Affinity, Pool, cached_share
+from hpcserve.endpoint.dataplane.routing.table import MATCH_FRACTION, Affinity, RoutingTable, cached_share
 
 # The share of the replicas' KV caches that prompts in flight may take before new prefills wait; the lower,
 # the more requests wait here to be reordered. On the GPU benchmark (128 requests of 2,000 tokens in flight,
@@ -52,7 +52,7 @@ class Ticket:
     granted: asyncio.Future | None = field(default=None, repr=False)
 
 
-def prefill_cost(pool: Pool, affinity: Affinity | None, now: float) -> tuple[int, bool]:
+def prefill_cost(pool: RoutingTable, affinity: Affinity | None, now: float) -> tuple[int, bool]:
     """The prompt tokens a replica must prefill for this request (the most that any replica holds taken
     off), and whether some replica holds a part of the prompt worth following there (MATCH_FRACTION)."""
     if affinity is None or not affinity.tokens:
@@ -81,7 +81,7 @@ def next_admitted(costs: Iterable[tuple[int, bool, float]], room: int, idle: boo
 
 
 class Admission:
-    def __init__(self, pool: Pool, share: float, workers: int = 1):
+    def __init__(self, pool: RoutingTable, share: float, workers: int = 1):
         self.pool, self.share, self.workers = pool, share, workers
         self.in_flight = 0  # prefill tokens charged by the requests admitted and not ended
         self.admitted = 0  # requests admitted and not ended

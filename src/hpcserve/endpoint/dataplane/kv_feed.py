@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from hpcserve.endpoint.dataplane.routing.table import Pool
+from hpcserve.endpoint.dataplane.routing.table import RoutingTable
 from hpcserve.endpoint.dataplane.routing.token_index import TokenIndex
 from hpcserve.engine.kv_events import HEARTBEAT_S, HEARTBEAT_SEQ, RELAY_PATH, FrameReader, decode_batch
 
@@ -38,7 +38,7 @@ class FeedStats:
 
 
 class Feeds:
-    def __init__(self, session: aiohttp.ClientSession, key: str | None, pool: Pool):
+    def __init__(self, session: aiohttp.ClientSession, key: str | None, pool: RoutingTable):
         self.session, self.pool = session, pool
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.tasks: dict[str, asyncio.Task] = {}

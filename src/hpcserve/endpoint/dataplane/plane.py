@@ -51,7 +51,7 @@ from hpcserve.core.keys import KeyCheck, read_key_file
 from hpcserve.core.statuses import Routing
 from hpcserve.endpoint.dataplane import wire
 from hpcserve.endpoint.dataplane.admission import Admission
-from hpcserve.endpoint.dataplane.routing.table import Affinity, Backend, Pool, choose
+from hpcserve.endpoint.dataplane.routing.table import Affinity, Backend, RoutingTable, choose
 from hpcserve.endpoint.dataplane.kv_feed import Feeds
 from hpcserve.endpoint.dataplane.migration import Request as Migratable, prepare
 from hpcserve.endpoint.dataplane.admin import admin_app
@@ -98,7 +98,7 @@ class DataPlane:
     def __init__(self, settings: Settings, key: str | None):
         self.settings = settings
         self.key, self.raw_key = KeyCheck(key), key
-        self.pool = Pool()
+        self.pool = RoutingTable()
         self.tokenizer: PromptTokenizer | None = None  # with the engines' KV events (kv_feed): exact routing
         self.feeds: Feeds | None = None
         self.stats = Stats()

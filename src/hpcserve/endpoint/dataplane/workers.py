@@ -40,7 +40,7 @@ import aiohttp
 from aiohttp import web
 
 from hpcserve.core.statuses import Routing
-from hpcserve.endpoint.dataplane.routing.table import Affinity, Backend, BackendSpec, Pool, record
+from hpcserve.endpoint.dataplane.routing.table import Affinity, Backend, BackendSpec, RoutingTable, record
 from hpcserve.endpoint.dataplane.metrics import Collector, Stats, merged_backends
 from hpcserve.endpoint.dataplane.server import bind_admin_socket, metrics_response, owner_only
 from hpcserve.endpoint.dataplane.wire import PROCESS_TITLE
@@ -74,7 +74,7 @@ class Peers:
             except (BlockingIOError, ConnectionRefusedError, OSError):
                 self.dropped += 1  # a busy or gone sibling: it routes with a little less knowledge
 
-    def listen(self, loop: asyncio.AbstractEventLoop, pool: Pool) -> None:
+    def listen(self, loop: asyncio.AbstractEventLoop, pool: RoutingTable) -> None:
         for sock in self.sockets:
             loop.add_reader(sock.fileno(), self.heard, sock, pool)
 
@@ -82,7 +82,7 @@ class Peers:
         """choose (balance.choose or the routing log's), knowing everything the siblings told so far, and
         telling them where the prompt went."""
 
-        def choose_with_siblings(pool: Pool, policy: Routing, affinity: Affinity | None, now: float,
+        def choose_with_siblings(pool: RoutingTable, policy: Routing, affinity: Affinity | None, now: float,
                                  tried: tuple[Backend, ...] = ()) -> Backend | None:
             for sock in self.sockets:
                 self.heard(sock, pool)
@@ -94,7 +94,7 @@ class Peers:
         return choose_with_siblings
 
     @staticmethod
-    def heard(sock: socket.socket, pool: Pool) -> None:
+    def heard(sock: socket.socket, pool: RoutingTable) -> None:
         while True:
             try:
                 message = sock.recv(DATAGRAM_BYTES)

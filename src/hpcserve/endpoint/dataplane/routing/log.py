@@ -19,12 +19,12 @@ import time
 from pathlib import Path
 
 from hpcserve.core.statuses import Routing
-from hpcserve.endpoint.dataplane.routing.table import Affinity, Backend, Pool, cache_fill, cached_share, choose
+from hpcserve.endpoint.dataplane.routing.table import Affinity, Backend, RoutingTable, cache_fill, cached_share, choose
 
 HEAD_TOKENS = 4
 
 
-def seen(pool: Pool, affinity: Affinity, now: float) -> dict[str, list[float]]:
+def seen(pool: RoutingTable, affinity: Affinity, now: float) -> dict[str, list[float]]:
     """What the prefix policy sees of one prompt, replica by replica. Pure."""
     return {b.url: [round(cached_share(pool, b.url, affinity, now), 4), b.in_flight,
                     round(cache_fill(pool, b.url, now), 4)] for b in pool.active}
@@ -34,7 +34,7 @@ class RoutingLog:
     def __init__(self, path: Path):
         self.file = open(path, "a", buffering=1)  # line-buffered: one write per line, whole among workers
 
-    def choose(self, pool: Pool, policy: Routing, affinity: Affinity | None, now: float,
+    def choose(self, pool: RoutingTable, policy: Routing, affinity: Affinity | None, now: float,
                tried: tuple[Backend, ...] = ()) -> Backend | None:
         """balance.choose, written down."""
         if affinity is None or not affinity.has_prompt:

@@ -1,7 +1,7 @@
 """Which replica takes a request: the data plane's backend choice. No I/O; it runs for every request, so
 every step is a few list passes over the pool.
 
-    pool = Pool()
+    pool = RoutingTable()
     pool.update([BackendSpec("http://10.0.0.5:8001", capacity=256)])   # the controller's desired set
     backend = choose(pool, Routing.LEAST_LOADED, key=None, now=time.monotonic())   # None: none eligible
 
@@ -163,7 +163,7 @@ def point(data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
 
 
-class Pool:
+class RoutingTable:
     """The backends: active ones in the controller's order, and retired ones (removed while requests
     still ran there) until those requests end, so /backends can say when a removed backend drained."""
 
@@ -250,7 +250,7 @@ def within_share(backend: Backend, backends: list[Backend], epsilon: float = PRE
     return backend.in_flight + 1 <= math.ceil((1 + epsilon) * total * backend.capacity / capacity)
 
 
-def choose(pool: Pool, policy: Routing, affinity: Affinity | None, now: float,
+def choose(pool: RoutingTable, policy: Routing, affinity: Affinity | None, now: float,
            tried: tuple[Backend, ...] = ()) -> Backend | None:
     """The backend for the next request; None when none may take it now (the caller holds the request).
     A retry names the backends it tried: another one is preferred while there is one. The prefix policy
@@ -278,7 +278,7 @@ def choose(pool: Pool, policy: Routing, affinity: Affinity | None, now: float,
     return chosen
 
 
-def record(pool: Pool, url: str, affinity: Affinity, now: float) -> None:
+def record(pool: RoutingTable, url: str, affinity: Affinity, now: float) -> None:
     """A prompt sent to url (here, or by another worker of the data plane): in both indexes."""
     pool.index.record(url, affinity.blocks)
     exact = pool.exact.get(url)
@@ -289,7 +289,7 @@ def record(pool: Pool, url: str, affinity: Affinity, now: float) -> None:
             exact.expect_early(affinity.tokens, now + PENDING_S)
 
 
-def cached_share(pool: Pool, url: str, affinity: Affinity, now: float) -> float:
+def cached_share(pool: RoutingTable, url: str, affinity: Affinity, now: float) -> float:
     """The part of the prompt (0 to 1) that url's prefix cache holds. Exactly, from its engine's events
     (with what was just sent there and is on its way into the cache), when they cover everything sent
     there (the feed began before the first request); where they may not (the feed began later, or broke),
@@ -305,7 +305,7 @@ def cached_share(pool: Pool, url: str, affinity: Affinity, now: float) -> float:
     return held if exact.complete else max(held, approximate)
 
 
-def cache_holder(pool: Pool, backends: list[Backend], affinity: Affinity, turn: int, now: float) -> Backend | None:
+def cache_holder(pool: RoutingTable, backends: list[Backend], affinity: Affinity, turn: int, now: float) -> Backend | None:
     """The backend holding the largest leading part of the prompt (the least loaded of those that hold as
     much), when that part is worth following and that backend is not overloaded; else None."""
     shares = [cached_share(pool, b.url, affinity, now) for b in backends]
@@ -317,7 +317,7 @@ def cache_holder(pool: Pool, backends: list[Backend], affinity: Affinity, turn: 
     return holder if holder.load() - lightest <= BALANCE_SLACK else None
 
 
-def cache_fill(pool: Pool, url: str, now: float) -> float:
+def cache_fill(pool: RoutingTable, url: str, now: float) -> float:
     """How full url's prefix cache is (0 empty, 1 full): from its engine's events where followed and its
     size known, with the prompts on their way in (else new prefixes pile onto the replica whose events lag
     most, until its repeats outgrow it: seen on CPU, docs/benchmarks/routing.md), else by the prompts sent
@@ -328,7 +328,7 @@ def cache_fill(pool: Pool, url: str, now: float) -> float:
     return pool.index.fill(url)
 
 
-def roomiest(pool: Pool, backends: list[Backend], turn: int, now: float) -> Backend:
+def roomiest(pool: RoutingTable, backends: list[Backend], turn: int, now: float) -> Backend:
     """Where a new prefix has most room: the smallest load plus cache fill; among equals, in turn."""
     size = len(backends)
     best, best_score = backends[turn % size], math.inf

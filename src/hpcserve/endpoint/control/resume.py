@@ -33,7 +33,7 @@ PROBE_TIMEOUT_S = 30.0  # a real completion of a few tokens; generous: a busy re
 CHECKS_AT_ONCE = 16
 
 
-def adopt(ctl: Controller, previous: RunState) -> str:
+def resume(ctl: Controller, previous: RunState) -> str:
     """Take over the members and router `previous` (the lost controller's last state.json) describes.
     Returns a one-line summary for the timeline."""
     ctl.decisions = list(previous.decisions)
