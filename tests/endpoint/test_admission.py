@@ -9,8 +9,9 @@ import asyncio
 import pytest
 
 from hpcserve.endpoint.dataplane.admission import AGE_S, Admission, next_admitted
-from hpcserve.endpoint.dataplane.routing.table import Affinity, BackendSpec, RoutingTable
+from hpcserve.endpoint.dataplane.routing.table import Affinity, RoutingTable
 from hpcserve.endpoint.dataplane.routing.prefix_index import prompt_blocks
+from hpcserve.endpoint.protocol import BackendSpec
 
 A, B, C = "http://10.0.0.1:8001", "http://10.0.0.2:8001", "http://10.0.0.3:8001"
 

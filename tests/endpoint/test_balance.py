@@ -14,7 +14,7 @@ from hpcserve.core.keys import read_key_file
 from hpcserve.core.net import UNIX_PATH_MAX, unix_socket_path
 from hpcserve.core.statuses import Routing
 from hpcserve.endpoint.dataplane import wire
-from hpcserve.endpoint.dataplane.routing.table import Affinity, Backend, BackendSpec, RoutingTable, choose, least_loaded, within_share
+from hpcserve.endpoint.dataplane.routing.table import Affinity, Backend, RoutingTable, choose, least_loaded, within_share
 from hpcserve.endpoint.dataplane.routing.prefix_index import (
     BLOCK_CHARS,
     DEFAULT_BLOCKS,
@@ -25,7 +25,8 @@ from hpcserve.endpoint.dataplane.routing.prefix_index import (
     prompt_text,
 )
 from hpcserve.endpoint.control.rotation import Rotation, next_saturated, saturated_now
-from hpcserve.endpoint.control.plane_client import backends_from_json, dataplane_argv, in_flight_to
+from hpcserve.endpoint.control.plane_client import dataplane_argv
+from hpcserve.endpoint.protocol import BackendSpec, backends_from_json, in_flight_to
 from hpcserve.engine.capacity import DEFAULT_MAX_NUM_SEQS, max_num_seqs
 from hpcserve.engine.metrics import EngineLoad
 

@@ -11,10 +11,11 @@ import msgspec
 import pytest
 
 from hpcserve.core.statuses import Routing
-from hpcserve.endpoint.dataplane.routing.table import Affinity, BackendSpec, RoutingTable, cached_share, choose
+from hpcserve.endpoint.dataplane.routing.table import Affinity, RoutingTable, cached_share, choose
 from hpcserve.endpoint.dataplane.routing.prefix_index import prompt_blocks
 from hpcserve.endpoint.dataplane.routing.prompt_tokens import PromptTokenizer
 from hpcserve.endpoint.dataplane.routing.token_index import TokenIndex, token_blocks
+from hpcserve.endpoint.protocol import BackendSpec
 from hpcserve.engine.kv_events import (
     CLEARED,
     CONFIG_FLAG,

@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 
 from hpcserve.core.statuses import Routing
-from hpcserve.endpoint.dataplane.routing.table import Affinity, BackendSpec, RoutingTable, choose
+from hpcserve.endpoint.dataplane.routing.table import Affinity, RoutingTable, choose
 from hpcserve.endpoint.dataplane.workers import Peers, peer_links
+from hpcserve.endpoint.protocol import BackendSpec
 
 URLS = ["http://127.0.0.1:8001", "http://127.0.0.1:8002"]
 PROMPT_TOKENS = 2000  # the GPU benchmark's prompts: 16 KB of token ids a message

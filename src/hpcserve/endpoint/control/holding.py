@@ -21,27 +21,23 @@ from pathlib import Path
 import httpx
 
 from hpcserve.core.statuses import MemberStatus
+from hpcserve.endpoint.protocol import BACKENDS, Backends
 
 ASK_TIMEOUT_S = 2.0
 
 
 def read_backends(admin_socket: Path, timeout_s: float = ASK_TIMEOUT_S) -> dict | None:
-    """GET /backends of the data plane; None when its socket does not answer (stopped, restarting)."""
+    """GET /backends of the data plane (protocol.Backends' JSON); None when its socket does not answer
+    (stopped, restarting)."""
     if not Path(admin_socket).exists():
         return None
     transport = httpx.HTTPTransport(uds=str(admin_socket))
     try:
         with httpx.Client(transport=transport, base_url="http://router", timeout=timeout_s, trust_env=False) as c:
-            answer = c.get("/backends")
+            answer = c.get(BACKENDS)
             return answer.json() if answer.status_code == 200 else None
     except (httpx.HTTPError, ValueError, OSError):
         return None
-
-
-def can_take_requests(answer: dict) -> bool:
-    """A backend that has not failed: the data plane sends requests there (a saturated one too, when it is
-    the only one). Pure."""
-    return any(not b.get("failed") for b in answer.get("backends", []))
 
 
 def since_when(decisions: list[dict]) -> float | None:
@@ -62,10 +58,11 @@ def holding(answer: dict, members: list[dict], decisions: list[dict]) -> dict | 
     """None while the data plane has a backend that takes requests; else what clients get: requests held
     now (each up to hold_s, then 503), since when, and the members it waits for. Pure.
     members: the member lines of `status` (name, role, status, runner, note)."""
-    if can_take_requests(answer):
+    backends = Backends.from_json(answer)
+    if backends.can_take_requests():
         return None
-    return {"held": int(answer.get("held") or 0), "hold_s": answer.get("hold_s"),
-            "backends": len(answer.get("backends", [])), "since": since_when(decisions),
+    return {"held": backends.held, "hold_s": backends.hold_s, "backends": len(backends.backends),
+            "since": since_when(decisions),
             "waiting_for": waited_for(members)}
 
 

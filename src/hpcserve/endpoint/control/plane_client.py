@@ -7,10 +7,11 @@ driven over its admin socket by the controller.
     router.remove(url, drain_s=30)  # no new requests; waits for its in-flight ones to finish
     router.apply(add=[...], remove=[...])   # one round's changes as one update
     router.set_saturated({url})     # engines that queue (from vLLM's /metrics): skipped while others have room
-    router.backends()               # [Backend(url, healthy, in_flight, capacity, saturated, kv_tokens)]
+    router.backends()               # [protocol.BackendState(url, healthy, in_flight, capacity, saturated, ...)]
     router.attach(pid)              # a new controller takes over a data plane that kept running
     router.stop()                   # SIGTERM to its process group by recorded PID, then SIGKILL
 
+What it sends and reads is endpoint.protocol's (the admin API, typed once for both rooms).
 The controller owns the list: every change sends the whole desired set (PUT /backends, idempotent), so a
 lost update is repaired by the next one. The admin socket is a Unix socket in an owner-only folder: only
 the owner can change membership; the client port has no admin route. The data plane balances by its own
@@ -28,7 +29,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -38,8 +39,22 @@ from hpcserve.core.errors import HpcserveError
 from hpcserve.core.keys import bearer
 from hpcserve.core.net import unix_socket_path, url_host
 from hpcserve.core.statuses import Routing
-from hpcserve.endpoint.dataplane.routing.table import BackendSpec
-from hpcserve.endpoint.dataplane.wire import MODULE, PROCESS_TITLE
+from hpcserve.endpoint.protocol import (
+    BACKENDS,
+    HANDOVER,
+    HEALTH,
+    METRICS,
+    MIGRATIONS,
+    MODULE,
+    PROCESS_TITLE,
+    Backends,
+    BackendSpec,
+    BackendState,
+    DesiredBackends,
+    HandingOver,
+    Handover,
+    Health,
+)
 from hpcserve.engine.capacity import DEFAULT_MAX_NUM_SEQS
 from hpcserve.engine.client import completion_probe, health_ok
 from hpcserve.engine.metrics import EngineLoad, engine_load, is_drained
@@ -50,28 +65,6 @@ HEALTH_CHECKS_AT_ONCE = 16  # apply(): /health of joining backends asked at once
 
 class RouterError(HpcserveError):
     """The router did not start, or refused or failed a membership change."""
-
-
-@dataclass(frozen=True)
-class Backend:
-    url: str
-    healthy: bool  # not skipped after a connection error
-    in_flight: int  # requests the data plane has sent there and not finished
-    capacity: int = DEFAULT_MAX_NUM_SEQS
-    saturated: bool = False
-    kv_tokens: int | None = None
-
-
-def backends_from_json(data: dict) -> list[Backend]:
-    """The data plane's GET /backends answer. Pure."""
-    return [Backend(b["url"], not b.get("failed"), int(b.get("in_flight") or 0), int(b.get("capacity") or 1),
-                    bool(b.get("saturated")), b.get("kv_tokens")) for b in data.get("backends", [])]
-
-
-def in_flight_to(data: dict, url: str) -> int:
-    """Requests still running through the data plane to url, removed (retired) or not. Pure."""
-    return sum(int(b.get("in_flight") or 0) for b in [*data.get("backends", []), *data.get("retired", [])]
-               if b["url"] == url)
 
 
 def default_workers(cores: int | None = None) -> int:
@@ -157,7 +150,7 @@ class Router:
         self._key = self.api_key_file.read_text().strip() if self.api_key_file else None
         self.pid, self._process = pid, None
         with self._lock:
-            self._desired = {b.url: BackendSpec(b.url, b.capacity, b.saturated, b.kv_tokens) for b in self.backends()}
+            self._desired = {b.url: b.spec for b in self.backends()}
         return True
 
     def alive(self) -> bool:
@@ -193,12 +186,13 @@ class Router:
 
     # -------------------------------------------------------------- membership
 
-    def backends(self) -> list[Backend]:
-        return backends_from_json(self.backends_json())
+    def backends(self) -> list[BackendState]:
+        return Backends.from_json(self.backends_json()).backends
 
     def backends_json(self) -> dict:
-        """The data plane's whole GET /backends answer (its counters and index sizes per backend)."""
-        return self._admin_call("GET", "/backends").json()
+        """The data plane's whole GET /backends answer as JSON (protocol.Backends: its counters and index
+        sizes per backend)."""
+        return self._admin_call("GET", BACKENDS).json()
 
     def set_backends(self, specs: Iterable[BackendSpec]) -> None:
         """The whole desired set at once (the controller's list, with each one's capacity and state)."""
@@ -263,7 +257,7 @@ class Router:
     def in_flight(self, url: str) -> int:
         """Requests the data plane runs to url, removed or not: counted from the moment it picks the
         backend, before the engine's /metrics shows them."""
-        return in_flight_to(self._admin_call("GET", "/backends").json(), url.rstrip("/"))
+        return Backends.from_json(self.backends_json()).in_flight_to(url.rstrip("/"))
 
     def busy(self, url: str) -> bool:
         """Requests still run or wait there: first the data plane's own count (a request it has just sent is
@@ -281,11 +275,14 @@ class Router:
         """These backends are drained: the data plane moves their open streams to other backends now (what
         cannot move finishes where it is). Returns those it knew."""
         urls = _urls(urls)
-        return self._admin_call("POST", "/handover", json={"urls": urls}).json()["handing_over"] if urls else []
+        if not urls:
+            return []
+        return HandingOver.from_json(self._admin_call("POST", HANDOVER, json=Handover(urls).to_json()).json()).urls
 
     def migrations(self, after: float) -> list[dict]:
-        """Streams the data plane moved to another replica (or could not) since `after` (epoch seconds)."""
-        return self._admin_call("GET", f"/migrations?after={after!r}").json().get("migrations", [])
+        """Streams the data plane moved to another replica (or could not) since `after` (epoch seconds): the
+        JSON of each protocol.Migration (Migration.from_json reads one)."""
+        return self._admin_call("GET", f"{MIGRATIONS}?after={after!r}").json().get("migrations", [])
 
     def set_saturated(self, urls: Iterable[str]) -> None:
         """The backends whose engine queues requests (or whose KV cache is full) now: the data plane skips
@@ -312,14 +309,13 @@ class Router:
     def metrics(self) -> str:
         """The data plane's own Prometheus metrics (requests by code, latency, in flight per backend, holds,
         retries)."""
-        return self._admin_call("GET", "/metrics").text
+        return self._admin_call("GET", METRICS).text
 
     # -------------------------------------------------------------- helpers
 
     def _put(self) -> None:
         with self._lock:
-            body = {"backends": [spec.to_json() for spec in self._desired.values()]}
-            self._admin_call("PUT", "/backends", json=body)
+            self._admin_call("PUT", BACKENDS, json=DesiredBackends(list(self._desired.values())).to_json())
 
     def _admin_call(self, method: str, path: str, **kwargs) -> httpx.Response:
         try:
@@ -334,8 +330,8 @@ class Router:
     def _answers(self, pid: int) -> bool:
         """The process behind the admin socket is `pid` (not a stale one an earlier run left)."""
         try:
-            return self._admin.get("/health", timeout=1.0).json().get("pid") == pid
-        except (httpx.HTTPError, ValueError):
+            return Health.from_json(self._admin.get(HEALTH, timeout=1.0).json()).pid == pid
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
             return False
 
 

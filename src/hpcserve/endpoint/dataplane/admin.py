@@ -1,13 +1,14 @@
-"""The data plane's admin API, on its owner-only Unix socket (dataplane.py says who may use it):
+"""The data plane's admin API, on its owner-only Unix socket (plane.py says who may use it): its routes,
+whose requests and answers are endpoint.protocol's (the contract with the controller):
 
-    GET  /backends          the backends, their settings, requests in flight through here, failures, held
-                            requests, and whether each engine's KV events are followed
-    PUT  /backends          the whole desired set [{url, capacity, saturated, kv_tokens}] (idempotent)
-    POST /handover          {"urls": [...]}: these backends are drained; their open streams move to others
-                            now (endpoint/streams.py), what cannot move finishes where it is
-    GET  /migrations?after=T  streams moved (or not) since T (epoch seconds): the controller's decisions
+    GET  /backends          protocol.Backends: the backends, their settings, requests in flight through
+                            here, failures, held requests, and whether each engine's KV events are followed
+    PUT  /backends          protocol.DesiredBackends: the whole desired set (idempotent)
+    POST /handover          protocol.Handover: these backends are drained; their open streams move to others
+                            now (streams.py), what cannot move finishes where it is
+    GET  /migrations?after=T  protocol.Migrations: streams moved (or not) since T (epoch seconds)
     GET  /metrics           this process's Prometheus metrics
-    GET  /stats, /health    what a supervisor of several workers merges; who serves
+    GET  /stats, /health    what a supervisor of several workers merges; who serves (protocol.Health)
 """
 
 from __future__ import annotations
@@ -18,9 +19,25 @@ import time
 
 from aiohttp import web
 
-from hpcserve.endpoint.dataplane.routing.table import BackendSpec
 from hpcserve.endpoint.dataplane.metrics import Collector, Stats
 from hpcserve.endpoint.dataplane.server import metrics_response, owner_only
+from hpcserve.endpoint.protocol import (
+    BACKENDS,
+    HANDOVER,
+    HEALTH,
+    METRICS,
+    MIGRATIONS,
+    STATS,
+    Backends,
+    BackendState,
+    DesiredBackends,
+    HandingOver,
+    Handover,
+    Health,
+    KvEvents,
+    Migrations,
+    RetiredBackend,
+)
 
 
 class Admin:
@@ -29,29 +46,29 @@ class Admin:
     def __init__(self, plane):
         self.plane = plane
 
-    def backends_json(self) -> dict:
+    def backends(self) -> Backends:
         plane = self.plane
         now, limits = time.monotonic(), plane.pool.index.limits
-        return {"policy": str(plane.settings.policy), "hold_s": plane.settings.hold_s, "held": plane.stats.held,
-                "workers": 1, "waiting": len(plane.admission.waiting),
-                "backends": [{**BackendSpec(b.url, b.capacity, b.saturated, plane.pool.kv_tokens.get(b.url)).to_json(),
-                              "in_flight": b.in_flight,
-                              "failed": b.failed_until > now, "requests": b.requests, "failures": b.failures,
-                              "index_blocks": len(plane.pool.index.held.get(b.url) or ()),
-                              "index_limit": limits.get(b.url), **self.kv_events_json(b.url)}
-                             for b in plane.pool.active],
-                "retired": [{"url": b.url, "in_flight": b.in_flight, "handing_over": b.handing_over}
-                            for b in plane.pool.retired.values()]}
+        return Backends([BackendState(b.url, b.failed_until <= now, b.in_flight, b.capacity, b.saturated,
+                                      plane.pool.kv_tokens.get(b.url), b.requests, b.failures,
+                                      len(plane.pool.index.held.get(b.url) or ()), limits.get(b.url),
+                                      *self.kv_events(b.url))
+                         for b in plane.pool.active],
+                        [RetiredBackend(b.url, b.in_flight, b.handing_over) for b in plane.pool.retired.values()],
+                        str(plane.settings.policy), plane.settings.hold_s, plane.stats.held, len(plane.admission.waiting))
 
-    def kv_events_json(self, url: str) -> dict:
+    def backends_json(self) -> dict:
+        return self.backends().to_json()
+
+    def kv_events(self, url: str) -> tuple[KvEvents, int | None, bool | None]:
         """Whether url's KV events are followed (live), its engine publishes none (absent), or they are not
         asked for (off: no tokenizer, or another policy); the blocks they say it holds."""
         exact, feeds = self.plane.pool.exact.get(url), self.plane.feeds
         if exact is not None:
-            return {"kv_events": "live", "exact_blocks": exact.blocks(), "exact_complete": exact.complete}
+            return KvEvents.LIVE, exact.blocks(), exact.complete
         if feeds is None:
-            return {"kv_events": "off"}
-        return {"kv_events": "absent" if url in feeds.stats.absent else "down"}
+            return KvEvents.OFF, None, None
+        return (KvEvents.ABSENT if url in feeds.stats.absent else KvEvents.DOWN), None, None
 
     def refresh_stats(self) -> Stats:
         plane = self.plane
@@ -68,9 +85,7 @@ class Admin:
     async def put_backends(self, request: web.Request) -> web.Response:
         plane = self.plane
         try:
-            data = await request.json()
-            specs = [BackendSpec.from_json(item) for item in data["backends"]]
-            plane.pool.update(specs)
+            plane.pool.update(DesiredBackends.from_json(await request.json()).backends)
         except (ValueError, KeyError, TypeError) as exc:
             return web.json_response({"error": f"{type(exc).__name__}: {exc}"}, status=400)
         if plane.feeds is not None:
@@ -82,7 +97,7 @@ class Admin:
 
     async def post_handover(self, request: web.Request) -> web.Response:
         try:
-            urls = [str(url).rstrip("/") for url in (await request.json())["urls"]]
+            urls = Handover.from_json(await request.json()).urls
         except (ValueError, KeyError, TypeError) as exc:
             return web.json_response({"error": f"{type(exc).__name__}: {exc}"}, status=400)
         pool, marked = self.plane.pool, []
@@ -93,14 +108,14 @@ class Admin:
                 marked.append(url)
         for stream in [s for s in self.plane.streams if s.backend.handing_over]:
             stream.hand_over_now()  # each moves now, not at its engine's next chunk
-        return web.json_response({"handing_over": marked})
+        return web.json_response(HandingOver(marked).to_json())
 
     async def get_migrations(self, request: web.Request) -> web.Response:
         try:
             after = float(request.query.get("after", "0"))
         except ValueError:
             return web.json_response({"error": "after must be a number (epoch seconds)"}, status=400)
-        return web.json_response({"migrations": [m.to_json() for m in self.plane.migration_log if m.time > after]})
+        return web.json_response(Migrations([m for m in self.plane.migration_log if m.time > after]).to_json())
 
     async def get_metrics(self, _request: web.Request) -> web.Response:
         return metrics_response(Collector(self.refresh_stats(), self.backends_json()["backends"]))
@@ -110,14 +125,14 @@ class Admin:
         return web.json_response({"stats": self.refresh_stats().to_json(), "backends": self.backends_json()})
 
     async def get_health(self, _request: web.Request) -> web.Response:
-        return web.json_response({"pid": os.getpid(), "port": self.plane.settings.port})
+        return web.json_response(Health(os.getpid(), self.plane.settings.port).to_json())
 
 
 def admin_app(plane) -> web.Application:
     admin = Admin(plane)
     app = web.Application(middlewares=[owner_only], client_max_size=16 * 2**20)
-    app.add_routes([web.get("/backends", admin.get_backends), web.put("/backends", admin.put_backends),
-                    web.post("/handover", admin.post_handover), web.get("/migrations", admin.get_migrations),
-                    web.get("/metrics", admin.get_metrics), web.get("/health", admin.get_health),
-                    web.get("/stats", admin.get_stats)])
+    app.add_routes([web.get(BACKENDS, admin.get_backends), web.put(BACKENDS, admin.put_backends),
+                    web.post(HANDOVER, admin.post_handover), web.get(MIGRATIONS, admin.get_migrations),
+                    web.get(METRICS, admin.get_metrics), web.get(HEALTH, admin.get_health),
+                    web.get(STATS, admin.get_stats)])
     return app

@@ -62,9 +62,9 @@ from hpcserve.endpoint.dataplane.settings import Settings, parse_args
 from hpcserve.endpoint.dataplane.routing.prefix_index import request_json
 from hpcserve.endpoint.dataplane.routing.prompt_tokens import PromptTokenizer
 from hpcserve.endpoint.dataplane.routing.log import RoutingLog
-from hpcserve.endpoint.dataplane.streams import Lease, Migration, Stream
-from hpcserve.endpoint.dataplane.wire import PROCESS_TITLE
+from hpcserve.endpoint.dataplane.streams import Lease, Stream
 from hpcserve.endpoint.dataplane.workers import supervise
+from hpcserve.endpoint.protocol import PROCESS_TITLE, Migration
 
 # Engines (uvicorn) close idle keep-alive connections after 5 s; closing ours first spares requests the
 # race of a connection closed under them.

@@ -9,7 +9,7 @@ from pathlib import Path
 from hpcserve.core.statuses import Routing
 from hpcserve.endpoint.dataplane.admission import DEFAULT_SHARE
 from hpcserve.endpoint.dataplane.server import connection_cap
-from hpcserve.endpoint.dataplane.wire import MODULE
+from hpcserve.endpoint.protocol import MODULE
 
 MAX_WORKERS = 64
 

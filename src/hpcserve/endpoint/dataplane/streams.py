@@ -32,6 +32,7 @@ from hpcserve.endpoint.dataplane.routing.table import Backend, choose
 from hpcserve.endpoint.dataplane.continuation import Continuation, detokenize_body, ending, start
 from hpcserve.endpoint.dataplane.migration import CannotMigrate, Record, Request, why_not
 from hpcserve.endpoint.dataplane.sse import DONE, DONE_MARK, EventSplitter, has_failure, is_failure, split_events, strip_ids
+from hpcserve.endpoint.protocol import Migration
 
 DETOKENIZE_TIMEOUT_S = 10.0
 
@@ -48,23 +49,6 @@ class Lease:
     replica is released the moment its streams move, so its drain does not wait for them."""
 
     backend: Backend
-
-
-@dataclass
-class Migration:
-    """One migration, or one stream that could not be migrated (to: None, reason says why)."""
-
-    time: float
-    cause: str
-    source: str
-    to: str | None
-    kind: str
-    tokens: int  # generated tokens the client had when it moved
-    reason: str | None = None
-
-    def to_json(self) -> dict:
-        return {"time": self.time, "cause": self.cause, "from": self.source, "to": self.to, "kind": self.kind,
-                "tokens": self.tokens, "reason": self.reason}
 
 
 class Stream:

@@ -14,10 +14,6 @@ from enum import Enum
 from hpcserve.endpoint.dataplane.routing.table import Affinity
 from hpcserve.endpoint.dataplane.routing.prefix_index import prompt_blocks, prompt_text, request_json
 
-# How the data plane's process is started and recognised (router.py starts it, dataplane.py is it): here,
-# so that the side that starts it does not import the server's async HTTP stack (a CLI call's 0.3 s).
-PROCESS_TITLE = "hpcserve-router"
-MODULE = "hpcserve.endpoint.dataplane"
 RETRY_AFTER_S = 5  # what a 503 tells clients to wait: about one controller round plus a join
 KEY_HEADERS = ("x-session-id", "x-user-id")  # what vLLM-router's consistent_hash reads, in this order
 

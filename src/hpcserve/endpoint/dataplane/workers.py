@@ -40,10 +40,22 @@ import aiohttp
 from aiohttp import web
 
 from hpcserve.core.statuses import Routing
-from hpcserve.endpoint.dataplane.routing.table import Affinity, Backend, BackendSpec, RoutingTable, record
+from hpcserve.endpoint.dataplane.routing.table import Affinity, Backend, RoutingTable, record
 from hpcserve.endpoint.dataplane.metrics import Collector, Stats, merged_backends
 from hpcserve.endpoint.dataplane.server import bind_admin_socket, metrics_response, owner_only
-from hpcserve.endpoint.dataplane.wire import PROCESS_TITLE
+from hpcserve.endpoint.protocol import (
+    BACKENDS,
+    HANDOVER,
+    HEALTH,
+    METRICS,
+    MIGRATIONS,
+    PROCESS_TITLE,
+    STATS,
+    DesiredBackends,
+    HandingOver,
+    Health,
+    Migrations,
+)
 
 PR_SET_PDEATHSIG = 1
 DATAGRAM_BYTES = 1 << 18  # one message: a URL, up to MAX_BLOCKS 8-byte hashes and MAX_TOKENS token ids
@@ -198,9 +210,9 @@ class Supervisor:
         self.sessions = [aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(path)),
                                                timeout=aiohttp.ClientTimeout(total=WORKER_CALL_S)) for path in self.paths]
         app = web.Application(middlewares=[owner_only], client_max_size=16 * 2**20)
-        app.add_routes([web.get("/backends", self.get_backends), web.put("/backends", self.put_backends),
-                        web.post("/handover", self.post_handover), web.get("/migrations", self.get_migrations),
-                        web.get("/metrics", self.get_metrics), web.get("/health", self.get_health)])
+        app.add_routes([web.get(BACKENDS, self.get_backends), web.put(BACKENDS, self.put_backends),
+                        web.post(HANDOVER, self.post_handover), web.get(MIGRATIONS, self.get_migrations),
+                        web.get(METRICS, self.get_metrics), web.get(HEALTH, self.get_health)])
         runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=1.0)
         await runner.setup()
         await self.workers_listening()  # a PUT before that would find a worker's socket not yet listening
@@ -233,7 +245,7 @@ class Supervisor:
         deadline = time.monotonic() + WORKER_START_S
         while time.monotonic() < deadline:
             self.reap()
-            answers = await self.each("GET", "/health")
+            answers = await self.each("GET", HEALTH)
             if all(status == 200 for status, _ in answers):
                 return
             await asyncio.sleep(0.05)
@@ -278,10 +290,10 @@ class Supervisor:
     async def put_backends(self, request: web.Request) -> web.Response:
         body = await request.read()
         try:  # refused here, whole, before any worker sees it
-            [BackendSpec.from_json(item) for item in json.loads(body)["backends"]]
+            DesiredBackends.from_json(json.loads(body))
         except (ValueError, KeyError, TypeError) as exc:
             return web.json_response({"error": f"{type(exc).__name__}: {exc}"}, status=400)
-        answers = await self.each("PUT", "/backends", body)
+        answers = await self.each("PUT", BACKENDS, body)
         failed = [data for status, data in answers if status != 200]
         if failed:
             return web.json_response({"error": f"{len(failed)} worker(s) refused the backends: {failed[0]}"},
@@ -289,28 +301,28 @@ class Supervisor:
         return web.json_response(merged_json([data for _, data in answers]))
 
     async def post_handover(self, request: web.Request) -> web.Response:
-        answers = await self.each("POST", "/handover", await request.read())
-        marked = sorted({url for status, data in answers if status == 200 for url in data.get("handing_over", [])})
-        return web.json_response({"handing_over": marked})
+        answers = await self.each("POST", HANDOVER, await request.read())
+        marked = sorted({url for status, data in answers if status == 200 for url in HandingOver.from_json(data).urls})
+        return web.json_response(HandingOver(marked).to_json())
 
     async def get_migrations(self, request: web.Request) -> web.Response:
-        answers = await self.each("GET", f"/migrations?after={request.query.get('after', '0')}")
-        merged = sorted((m for status, data in answers if status == 200 for m in data.get("migrations", [])),
-                        key=lambda m: m["time"])
-        return web.json_response({"migrations": merged})
+        answers = await self.each("GET", f"{MIGRATIONS}?after={request.query.get('after', '0')}")
+        merged = sorted((m for status, data in answers if status == 200 for m in Migrations.from_json(data).migrations),
+                        key=lambda m: m.time)
+        return web.json_response(Migrations(merged).to_json())
 
     async def get_backends(self, _request: web.Request) -> web.Response:
-        answers = await self.each("GET", "/backends")
+        answers = await self.each("GET", BACKENDS)
         return web.json_response(merged_json([data for status, data in answers if status == 200]))
 
     async def get_metrics(self, _request: web.Request) -> web.Response:
-        parts = [data for status, data in await self.each("GET", "/stats") if status == 200]
+        parts = [data for status, data in await self.each("GET", STATS) if status == 200]
         stats = Stats.merged([part["stats"] for part in parts])
         backends = merged_backends([part["backends"]["backends"] for part in parts])
         return metrics_response(Collector(stats, backends, workers=len(parts)))
 
     async def get_health(self, _request: web.Request) -> web.Response:
-        return web.json_response({"pid": os.getpid(), "port": self.settings.port, "workers": list(self.alive)})
+        return web.json_response(Health(os.getpid(), self.settings.port, list(self.alive)).to_json())
 
 
 def merged_json(parts: list[dict]) -> dict:

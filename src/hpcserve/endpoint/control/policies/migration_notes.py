@@ -10,14 +10,15 @@ from __future__ import annotations
 import time
 
 from hpcserve.endpoint.control.policies.base import ControlPlane
+from hpcserve.endpoint.protocol import Migration
 
 
-def describe(migration: dict) -> tuple[str, str]:
+def describe(migration: Migration) -> tuple[str, str]:
     """The decision (action, reason) for one entry of the data plane's GET /migrations. Pure."""
-    what = (f"a {migration['kind']} stream after {migration['tokens']} token(s) ({migration['cause']})")
-    if migration.get("to"):
-        return "migrate", f"{migration['from']} -> {migration['to']}: {what}"
-    return "not migrated", f"{migration['from']}: {what}: {migration.get('reason')}"
+    what = f"a {migration.kind} stream after {migration.tokens} token(s) ({migration.cause})"
+    if migration.to:
+        return "migrate", f"{migration.source} -> {migration.to}: {what}"
+    return "not migrated", f"{migration.source}: {what}: {migration.reason}"
 
 
 class MigrationNotes:
@@ -29,8 +30,8 @@ class MigrationNotes:
         self.since = time.time() if since is None else since
 
     def step(self, ctl: ControlPlane) -> None:
-        for migration in ctl.pool.router.migrations(self.since):
-            self.since = max(self.since, migration["time"])
+        for migration in map(Migration.from_json, ctl.pool.router.migrations(self.since)):
+            self.since = max(self.since, migration.time)
             ctl.decide(*describe(migration))
 
     def forget(self, url: str) -> None:

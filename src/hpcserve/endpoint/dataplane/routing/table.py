@@ -34,14 +34,13 @@ from dataclasses import dataclass, field
 from hpcserve.core.statuses import Routing
 from hpcserve.endpoint.dataplane.routing.prefix_index import TOKENS_PER_BLOCK, PrefixIndex
 from hpcserve.endpoint.dataplane.routing.token_index import TokenIndex, token_blocks
-from hpcserve.engine.capacity import DEFAULT_MAX_NUM_SEQS
+from hpcserve.endpoint.protocol import BackendSpec
 
 # A preferred backend may carry up to 1.25 x its share before prefix affinity yields to balance: the
 # bound of consistent hashing with bounded loads (Mirrokni et al. 2018), where 0.25 keeps most requests
 # on their preferred replica while no replica gets more than 1.25 x the mean.
 PREFIX_EPSILON = 0.25
 VIRTUAL_NODES = 64  # points per backend on the hash ring: shares within a few percent of equal
-MAX_CAPACITY = 1 << 20
 # A cached part worth following: half the prompt (SGLang's cache-aware router uses the same 0.5), so a
 # short shared system prompt before long distinct questions does not pull every request to one replica.
 MATCH_FRACTION = 0.5
@@ -51,7 +50,6 @@ MATCH_FRACTION = 0.5
 # An eighth (32) split about 1 prefix in 50 on the GPU at 128 in flight (holders at 53-55 against 17-22),
 # where cache_aware kept them (docs/benchmarks/routing.md).
 BALANCE_SLACK = 0.25
-MAX_KV_TOKENS = 1 << 40
 # A prompt sent to a replica is in its cache before its engine says so: the events come once its prefill
 # ran, which under load takes seconds (TTFT p99 ~5 s on an H100 at 128 in flight, docs/benchmarks/routing.md).
 # Its blocks count as held there this long at most, or until the engine stores them (token_index.expect).
@@ -78,41 +76,6 @@ class Affinity:
         if blocks is None:
             blocks = self.by_size[size] = token_blocks(self.tokens or [], size)
         return blocks
-
-
-@dataclass(frozen=True)
-class BackendSpec:
-    """One backend as the controller wants it: where, how many requests its engine runs at once, and
-    whether its engine is saturated (queueing) now."""
-
-    url: str
-    capacity: int = DEFAULT_MAX_NUM_SEQS
-    saturated: bool = False
-    kv_tokens: int | None = None  # the engine's KV cache in tokens, when known: bounds what the index keeps
-
-    @classmethod
-    def from_json(cls, data: object) -> BackendSpec:
-        """From the admin API's JSON. Raises ValueError naming what is wrong."""
-        if not isinstance(data, dict) or not isinstance(data.get("url"), str):
-            raise ValueError(f"a backend is an object with a 'url' string, not {str(data)[:80]}")
-        url = data["url"].rstrip("/")
-        if not url.startswith(("http://", "https://")) or "\n" in url or " " in url:
-            raise ValueError(f"backend url {url[:80]!r} is not an http(s) URL")
-        capacity = data.get("capacity", DEFAULT_MAX_NUM_SEQS)
-        if not isinstance(capacity, int) or isinstance(capacity, bool) or not 0 < capacity <= MAX_CAPACITY:
-            raise ValueError(f"capacity of {url} must be a whole number from 1 to {MAX_CAPACITY}, not {capacity!r}")
-        saturated = data.get("saturated", False)
-        if not isinstance(saturated, bool):
-            raise ValueError(f"saturated of {url} must be true or false, not {saturated!r}")
-        kv_tokens = data.get("kv_tokens")
-        if kv_tokens is not None and (not isinstance(kv_tokens, int) or isinstance(kv_tokens, bool)
-                                      or not 0 < kv_tokens <= MAX_KV_TOKENS):
-            raise ValueError(f"kv_tokens of {url} must be a whole number above 0 (or absent), not {kv_tokens!r}")
-        return cls(url, capacity, saturated, kv_tokens)
-
-    def to_json(self) -> dict:
-        data = {"url": self.url, "capacity": self.capacity, "saturated": self.saturated}
-        return data if self.kv_tokens is None else {**data, "kv_tokens": self.kv_tokens}
 
 
 @dataclass(slots=True, eq=False)
