@@ -19,7 +19,7 @@ from hpcserve.core.errors import UsageError
 from hpcserve.core.statuses import RunStatus
 from hpcserve.core.tables import narrow_table
 from hpcserve.core.timeline import breakdown_line
-from hpcserve.endpoint.control.holding import describe as describe_holding
+from hpcserve.endpoint import describe_holding
 
 
 @guarded
