@@ -14,7 +14,10 @@ from hpcserve.core.keys import read_key_file
 from hpcserve.core.net import UNIX_PATH_MAX, unix_socket_path
 from hpcserve.core.statuses import Routing
 from hpcserve.endpoint.dataplane import wire
-from hpcserve.endpoint.dataplane.routing.table import Affinity, Backend, RoutingTable, choose, least_loaded, within_share
+from hpcserve.endpoint.dataplane.routing import choose
+from hpcserve.endpoint.dataplane.routing.least_loaded import least_loaded
+from hpcserve.endpoint.dataplane.routing.prefix import within_share
+from hpcserve.endpoint.dataplane.routing.table import Affinity, Backend, RoutingTable
 from hpcserve.endpoint.dataplane.routing.prefix_index import (
     BLOCK_CHARS,
     DEFAULT_BLOCKS,

@@ -11,7 +11,8 @@ import msgspec
 import pytest
 
 from hpcserve.core.statuses import Routing
-from hpcserve.endpoint.dataplane.routing.table import Affinity, RoutingTable, cached_share, choose
+from hpcserve.endpoint.dataplane.routing import choose
+from hpcserve.endpoint.dataplane.routing.table import Affinity, RoutingTable, cached_share
 from hpcserve.endpoint.dataplane.routing.prefix_index import prompt_blocks
 from hpcserve.endpoint.dataplane.routing.prompt_tokens import PromptTokenizer
 from hpcserve.endpoint.dataplane.routing.token_index import TokenIndex, token_blocks

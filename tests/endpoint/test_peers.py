@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 
 from hpcserve.core.statuses import Routing
-from hpcserve.endpoint.dataplane.routing.table import Affinity, RoutingTable, choose
+from hpcserve.endpoint.dataplane.routing import choose
+from hpcserve.endpoint.dataplane.routing.table import Affinity, RoutingTable
 from hpcserve.endpoint.dataplane.workers import Peers, peer_links
 from hpcserve.endpoint.protocol import BackendSpec
 

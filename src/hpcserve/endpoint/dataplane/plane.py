@@ -51,7 +51,8 @@ from hpcserve.core.keys import KeyCheck, read_key_file
 from hpcserve.core.statuses import Routing
 from hpcserve.endpoint.dataplane import wire
 from hpcserve.endpoint.dataplane.admission import Admission
-from hpcserve.endpoint.dataplane.routing.table import Affinity, Backend, RoutingTable, choose
+from hpcserve.endpoint.dataplane.routing import choose
+from hpcserve.endpoint.dataplane.routing.table import Affinity, Backend, RoutingTable
 from hpcserve.endpoint.dataplane.kv_feed import Feeds
 from hpcserve.endpoint.dataplane.migration import Request as Migratable, prepare
 from hpcserve.endpoint.dataplane.admin import admin_app

@@ -28,10 +28,19 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from hpcserve.endpoint.dataplane.routing.table import Backend, choose
+from hpcserve.endpoint.dataplane.routing import choose
+from hpcserve.endpoint.dataplane.routing.table import Backend
 from hpcserve.endpoint.dataplane.continuation import Continuation, detokenize_body, ending, start
 from hpcserve.endpoint.dataplane.migration import CannotMigrate, Record, Request, why_not
-from hpcserve.endpoint.dataplane.sse import DONE, DONE_MARK, EventSplitter, has_failure, is_failure, split_events, strip_ids
+from hpcserve.endpoint.dataplane.sse import (
+    DONE,
+    DONE_MARK,
+    EventSplitter,
+    has_failure,
+    is_failure,
+    split_events,
+    strip_ids,
+)
 from hpcserve.endpoint.protocol import Migration
 
 DETOKENIZE_TIMEOUT_S = 10.0

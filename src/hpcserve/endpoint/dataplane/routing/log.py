@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 
 from hpcserve.core.statuses import Routing
-from hpcserve.endpoint.dataplane.routing.table import Affinity, Backend, RoutingTable, cache_fill, cached_share, choose
+from hpcserve.endpoint.dataplane.routing import choose
+from hpcserve.endpoint.dataplane.routing.table import Affinity, Backend, RoutingTable, cache_fill, cached_share
 
 HEAD_TOKENS = 4
 

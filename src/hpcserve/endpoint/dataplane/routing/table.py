@@ -1,55 +1,29 @@
-"""Which replica takes a request: the data plane's backend choice. No I/O; it runs for every request, so
-every step is a few list passes over the pool.
+"""The data plane's routing state: the backends the controller wants (RoutingTable: active ones in its
+order, retired ones until their requests end, the hash ring, and the indexes of what each replica's prefix
+cache holds), what a request routes on (Affinity), and the cache queries the policies and admission share
+(cached_share, cache_fill, record). No I/O; it runs for every request, so every step is a few list passes.
 
     pool = RoutingTable()
     pool.update([BackendSpec("http://10.0.0.5:8001", capacity=256)])   # the controller's desired set
-    backend = choose(pool, Routing.LEAST_LOADED, key=None, now=time.monotonic())   # None: none eligible
+    backend = routing.choose(pool, Routing.LEAST_LOADED, None, now=time.monotonic())   # None: none eligible
 
-Policies (core.statuses.Routing):
-  least_loaded  requests in flight through the data plane divided by the backend's capacity (its engine's
-                --max-num-seqs), the smallest wins; ties go in turn, so an idle pool is used evenly.
-                Replicas of unequal size get traffic in proportion to what they run at once.
-  round_robin   each in turn.
-  prefix        by what each replica's prefix cache holds: exactly, from its engine's KV events
-                (token_index, fed by kv_feed), and approximately, from the prompts sent there
-                (prefix_index), where the events do not cover it (cached_share). The replica holding the
-                largest part of the prompt takes it, while that part is at least MATCH_FRACTION of the
-                prompt and the replica carries no more than BALANCE_SLACK of its capacity above the least
-                loaded; otherwise the replica with the most room (load, then cache fill) takes it, and its
-                repeats follow it there. A session header (X-Session-ID, X-User-ID) instead pins the
-                conversation by bounded-load consistent hashing: within (1 + PREFIX_EPSILON) x its share
-                of what is in flight.
-Every policy skips a backend marked failed (a connection error, for a few seconds) and, while another
-has room, one without: every slot taken by requests in flight through here, or marked saturated by the
-controller (its engine queues requests or its KV cache is full). When none has room, all are candidates.
+The policies that choose among its backends are routing/'s other modules (routing/__init__.py).
 """
 
 from __future__ import annotations
 
 import bisect
 import hashlib
-import math
 from dataclasses import dataclass, field
 
-from hpcserve.core.statuses import Routing
 from hpcserve.endpoint.dataplane.routing.prefix_index import TOKENS_PER_BLOCK, PrefixIndex
 from hpcserve.endpoint.dataplane.routing.token_index import TokenIndex, token_blocks
 from hpcserve.endpoint.protocol import BackendSpec
 
-# A preferred backend may carry up to 1.25 x its share before prefix affinity yields to balance: the
-# bound of consistent hashing with bounded loads (Mirrokni et al. 2018), where 0.25 keeps most requests
-# on their preferred replica while no replica gets more than 1.25 x the mean.
-PREFIX_EPSILON = 0.25
 VIRTUAL_NODES = 64  # points per backend on the hash ring: shares within a few percent of equal
 # A cached part worth following: half the prompt (SGLang's cache-aware router uses the same 0.5), so a
 # short shared system prompt before long distinct questions does not pull every request to one replica.
 MATCH_FRACTION = 0.5
-# How far the replica holding a prefix may be loaded above the lightest before balance wins: a quarter of
-# its capacity (64 of vLLM's 256 sequences, vllm-router's --balance-abs-threshold). A repeat sent elsewhere
-# pays a whole prefill again, a little more load only a little decode time: the bound is loose on purpose.
-# An eighth (32) split about 1 prefix in 50 on the GPU at 128 in flight (holders at 53-55 against 17-22),
-# where cache_aware kept them (docs/benchmarks/routing.md).
-BALANCE_SLACK = 0.25
 # A prompt sent to a replica is in its cache before its engine says so: the events come once its prefill
 # ran, which under load takes seconds (TTFT p99 ~5 s on an H100 at 128 in flight, docs/benchmarks/routing.md).
 # Its blocks count as held there this long at most, or until the engine stores them (token_index.expect).
@@ -183,64 +157,6 @@ class RoutingTable:
         return min(times) if times else None
 
 
-def candidates(backends: list[Backend], now: float) -> list[Backend]:
-    """Those that may take a request now: not failed; and, while another has room, not one without.
-    Room is a free slot by the data plane's own count and no saturation mark: the mark comes from the
-    engine's metrics a poll late, so a full replica still looks unmarked for a while, and taking it as
-    room sent every request to a 1-slot replica while an 8-slot one was marked (4 queued there)."""
-    alive = [b for b in backends if b.failed_until <= now]
-    roomy = [b for b in alive if not b.saturated and b.in_flight < b.capacity]
-    return roomy or alive
-
-
-def least_loaded(backends: list[Backend], turn: int) -> Backend:
-    """The smallest in_flight / capacity; among equals, the first from position `turn` on."""
-    size = len(backends)
-    best, best_load = backends[turn % size], math.inf
-    for step in range(size):
-        backend = backends[(turn + step) % size]
-        load = backend.in_flight / backend.capacity
-        if load < best_load:
-            best, best_load = backend, load
-    return best
-
-
-def within_share(backend: Backend, backends: list[Backend], epsilon: float = PREFIX_EPSILON) -> bool:
-    """One more request on backend keeps it within (1 + epsilon) x its capacity's share of everything in
-    flight (counting the new one). Rounded up, so an idle pool always keeps affinity."""
-    total = sum(b.in_flight for b in backends) + 1
-    capacity = sum(b.capacity for b in backends)
-    return backend.in_flight + 1 <= math.ceil((1 + epsilon) * total * backend.capacity / capacity)
-
-
-def choose(pool: RoutingTable, policy: Routing, affinity: Affinity | None, now: float,
-           tried: tuple[Backend, ...] = ()) -> Backend | None:
-    """The backend for the next request; None when none may take it now (the caller holds the request).
-    A retry names the backends it tried: another one is preferred while there is one. The prefix policy
-    records the prompt's blocks where it sends them."""
-    eligible = candidates(pool.active, now)
-    if tried:
-        eligible = [b for b in eligible if b not in tried] or eligible
-    if not eligible:
-        return None
-    pool.turn += 1
-    if policy is Routing.ROUND_ROBIN:
-        return eligible[pool.turn % len(eligible)]
-    if policy is not Routing.PREFIX or affinity is None:
-        return least_loaded(eligible, pool.turn)
-    chosen = None
-    if affinity.session is not None:
-        preferred = pool.ring.owner(affinity.session, eligible)
-        if preferred is not None and within_share(preferred, eligible):
-            chosen = preferred
-    elif affinity.has_prompt:
-        chosen = cache_holder(pool, eligible, affinity, pool.turn, now)
-    if chosen is None:
-        chosen = roomiest(pool, eligible, pool.turn, now) if affinity.has_prompt else least_loaded(eligible, pool.turn)
-    record(pool, chosen.url, affinity, now)
-    return chosen
-
-
 def record(pool: RoutingTable, url: str, affinity: Affinity, now: float) -> None:
     """A prompt sent to url (here, or by another worker of the data plane): in both indexes."""
     pool.index.record(url, affinity.blocks)
@@ -268,18 +184,6 @@ def cached_share(pool: RoutingTable, url: str, affinity: Affinity, now: float) -
     return held if exact.complete else max(held, approximate)
 
 
-def cache_holder(pool: RoutingTable, backends: list[Backend], affinity: Affinity, turn: int, now: float) -> Backend | None:
-    """The backend holding the largest leading part of the prompt (the least loaded of those that hold as
-    much), when that part is worth following and that backend is not overloaded; else None."""
-    shares = [cached_share(pool, b.url, affinity, now) for b in backends]
-    largest = max(shares)
-    if largest == 0 or largest < MATCH_FRACTION:
-        return None
-    holder = least_loaded([b for b, s in zip(backends, shares) if s == largest], turn)
-    lightest = min(b.load() for b in backends)
-    return holder if holder.load() - lightest <= BALANCE_SLACK else None
-
-
 def cache_fill(pool: RoutingTable, url: str, now: float) -> float:
     """How full url's prefix cache is (0 empty, 1 full): from its engine's events where followed and its
     size known, with the prompts on their way in (else new prefixes pile onto the replica whose events lag
@@ -289,15 +193,3 @@ def cache_fill(pool: RoutingTable, url: str, now: float) -> float:
     if exact is not None and exact.complete and kv_tokens:
         return min(1.0, exact.blocks(now) * (exact.block_size or TOKENS_PER_BLOCK) / kv_tokens)
     return pool.index.fill(url)
-
-
-def roomiest(pool: RoutingTable, backends: list[Backend], turn: int, now: float) -> Backend:
-    """Where a new prefix has most room: the smallest load plus cache fill; among equals, in turn."""
-    size = len(backends)
-    best, best_score = backends[turn % size], math.inf
-    for step in range(size):
-        backend = backends[(turn + step) % size]
-        score = backend.load() + cache_fill(pool, backend.url, now)
-        if score < best_score:
-            best, best_score = backend, score
-    return best
