@@ -3,7 +3,7 @@
     flock /tmp/hpcserve-heavy.lock .venv/bin/python benchmarks/scale.py --replicas 16,64,256 --json out.json
 
 For each replica count N: a farm of stand-ins (hpcserve.testing.standin --count, one process, a real
-vLLM /metrics page each), and the real endpoint process (endpoint.process.run: the real Controller and
+vLLM /metrics page each), and the real endpoint process (endpoint.control.process.run: the real Controller and
 the real vllm-router process) whose members are those stand-ins (hpcserve.testing.endpoint, through
 the controller's launcher seam). Then, in order:
 

@@ -37,7 +37,7 @@ PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTP
 
 # vllm-router's policies that fit a pool of vLLM replicas. None of them reads vLLM's /metrics (they read
 # sglang's /get_load, which vLLM lacks, or the router's own in-flight counts); load from /metrics is the
-# control plane's business (then: endpoint.rotation). Measured costs: docs/benchmarks/router.md.
+# control plane's business (then: endpoint.control.rotation). Measured costs: docs/benchmarks/router.md.
 POLICIES = {
     "round_robin": {},  # the cheapest; the default
     "power_of_two": {},  # two random backends, the one with fewer requests in flight through the router;

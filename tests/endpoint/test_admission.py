@@ -1,4 +1,4 @@
-"""Admission (endpoint/admission.py): while prompts in flight take the replicas' KV caches, new prefills
+"""Admission (endpoint/dataplane/admission.py): while prompts in flight take the replicas' KV caches, new prefills
 wait and a request whose prefix a replica holds goes first. The order (pure), and the waiting itself with
 asyncio. On real engines through the data plane: tests/endpoint/test_router_vllm.py."""
 

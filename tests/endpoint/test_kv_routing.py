@@ -1,6 +1,6 @@
 """Routing by the engines' KV events, the pure parts: the relay's frames and vLLM's event shapes
-(engine/kv_events.py), the exact index (endpoint/token_index.py), prompts as token ids
-(endpoint/prompt_tokens.py) and how balance.choose weighs exact and approximate knowledge. The relay on a
+(engine/kv_events.py), the exact index (endpoint/dataplane/routing/token_index.py), prompts as token ids
+(endpoint/dataplane/routing/prompt_tokens.py) and how balance.choose weighs exact and approximate knowledge. The relay on a
 real engine and the routing it drives: tests/endpoint/test_router_vllm.py."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""endpoint/streams.py through the real data plane process (router.Router), in front of two stand-in engines
+"""endpoint/dataplane/streams.py through the real data plane process (router.Router), in front of two stand-in engines
 that stream as vLLM 0.32 does (test_migration.engine: token ids, the detokenizer's lags, chat chunks), one
 of which fails mid-stream on cue: the connection dropped, an error event, the stream closed without its end.
 The client must get the uninterrupted stream whatever the failure, and the data plane must say what it did.

@@ -1,4 +1,4 @@
-"""The real endpoint process (endpoint.process.run: router, Controller, teardown) over stand-in members:
+"""The real endpoint process (endpoint.control.process.run: router, Controller, teardown) over stand-in members:
 
     HPCSERVE_STANDIN_FARM=http://127.0.0.1:A  python -m hpcserve.testing.endpoint RUN_DIR
         members are stand-ins of a farm on this machine (testing.members.StandinRuns)

@@ -58,7 +58,7 @@ def adopt(name: str, config: str | Path | DeploymentConfig | None = None,
         new = adopt_endpoint(record)
         save_record(new)
     # No cleanup if following fails: the new controller adopting is the repair, and one whose adoption
-    # fails leaves what ran as it was (endpoint/process.py).
+    # fails leaves what ran as it was (endpoint/control/process.py).
     result = follow(new, on_event, timeout_s, seen_events=seen)
     result.adopted = [d.to_dict() for d in RunState.read(record.run_dir).decisions if d.time >= started]
     return result

@@ -1,13 +1,13 @@
 """The endpoint's control plane: one round a second over the router and the members behind it.
 
     members    launch, watch while they start (deployment.watch), join the pool when they serve
-    pool       probe each replica, leave after failed probes, load-aware rotation (endpoint.pool)
+    pool       probe each replica, leave after failed probes, load-aware rotation (endpoint.control.pool)
     policies   self-healing (replace the lost), autoscale (queue), walltime handover (time limit), the
                data plane's migrations written down, `down --member` carried out: each a class of its
                own with one step per round
 
 Every decision and its reason goes to state.json (`hpcserve status` shows them). The decisions
-themselves are pure functions in endpoint/decisions.py; the process around this is endpoint/process.py.
+themselves are pure functions in endpoint/control/decisions.py; the process around this is endpoint/control/process.py.
 Background threads (a member's stop, a drain) change members only under `lock`.
 """
 
@@ -133,7 +133,7 @@ class Controller:
 
     def drain_all(self, backends: list[tuple[str, str]]) -> None:
         """No new requests to these backends (one router change: a walltime handover may drain dozens
-        in one round), their open streams moved to the others (endpoint/streams.py); each member stops
+        in one round), their open streams moved to the others (endpoint/dataplane/streams.py); each member stops
         once nothing runs on it (no request cut)."""
         with self.lock:
             self.leave(backends)
@@ -333,7 +333,7 @@ class Controller:
             raise MemberFailed(error.stage or Stage.ENGINE, error.diagnosis or RunStatus.FAILED, error.log)
 
     def check_serving(self) -> None:
-        """The probes' results taken in (endpoint.pool: every replica is probed once a second, spread
+        """The probes' results taken in (endpoint.control.pool: every replica is probed once a second, spread
         over the second); a member whose replica failed its probes stops, and self-healing replaces it."""
         self.pool.step()
         self.pool.record_sample()

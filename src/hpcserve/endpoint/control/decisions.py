@@ -23,7 +23,7 @@ FAILED_PROBES_TO_LEAVE = 2
 # An engine that took the connection but answered late (a read timeout) is alive and busy, not dead: a
 # replica batching at its limit on a loaded machine answered /health in over a second, and stopping it
 # after two such probes cut the streams it was serving (the heterogeneous-pool test, 2026-12-02). It
-# is skipped for new requests at once (endpoint.pool: suspect) and leaves only after this many late
+# is skipped for new requests at once (endpoint.control.pool: suspect) and leaves only after this many late
 # probes in a row (20-40 s: one probe at a time, each up to its timeout): a frozen engine still goes.
 SLOW_PROBES_TO_LEAVE = 20
 # Launches (replacements, successors) in one round, the rest in the next ones: when 10 % of 256 replicas

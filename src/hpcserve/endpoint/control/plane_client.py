@@ -1,4 +1,4 @@
-"""One stable OpenAI endpoint in front of every replica: hpcserve's data plane process (endpoint/dataplane.py),
+"""One stable OpenAI endpoint in front of every replica: hpcserve's data plane process (endpoint/dataplane/),
 driven over its admin socket by the controller.
 
     router = Router(host, port, api_key_file, log_path, admin_socket=paths.router_admin)

@@ -4,10 +4,10 @@ A replica joins after its member's driver saw a real completion and the endpoint
 (from the router's side of the network); it leaves after FAILED_PROBES_TO_LEAVE failed probes (after
 SLOW_PROBES_TO_LEAVE if they only answered late: a busy engine; skipped for new requests meanwhile), when
 its member's job ends, or when it is drained on purpose. Between the controller's rounds the
-load-aware rotation (endpoint.rotation) marks backends whose engine queues as saturated in the data plane.
+load-aware rotation (endpoint.control.rotation) marks backends whose engine queues as saturated in the data plane.
 
 A round costs about the same at 4 and at 256 replicas (docs/benchmarks/scale.md): probes and /metrics
-reads run on the prober's event loop (bounded, each with its own timeout: endpoint.probe), started in
+reads run on the prober's event loop (bounded, each with its own timeout: endpoint.control.probe), started in
 steps five times a second and spread over the second (decisions.probes_due), busy backends read every
 step and idle ones once a second (decisions.reads_due); the controller's loop takes the results in
 and never waits on a probe. Joins and leaves of one round are one router.apply each.

@@ -3,9 +3,9 @@
 It runs where `hpcserve up` ran (the login node, or this machine in local mode) and outlives every job:
 
     router    one OpenAI endpoint on serve.port, the API key enforced there: the data plane process
-              (endpoint/dataplane.py), driven over its admin socket (endpoint/router.py)
-    members   deployments that serve the replicas (endpoint/members.py): Slurm jobs, or local drivers
-    control   every second (endpoint/controller.py): probes, replacements, autoscale, walltime handover
+              (endpoint/dataplane/), driven over its admin socket (endpoint/control/plane_client.py)
+    members   deployments that serve the replicas (endpoint/control/members.py): Slurm jobs, or local drivers
+    control   every second (endpoint/control/controller.py): probes, replacements, autoscale, walltime handover
 
 SIGTERM drains nothing: it stops the members and the router, and nothing stays running.
 

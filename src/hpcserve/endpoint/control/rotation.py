@@ -4,7 +4,7 @@ The data plane balances by its own in-flight counts per unit of each backend's c
 gives replicas of unequal size their share. What it cannot see is an engine's own state: requests
 queueing inside it with every slot taken (other clients, probes) or a KV cache nearly full (a capacity
 set too high). The controller reads /metrics a few times a second and marks such backends saturated; the data plane then
-skips them while another has room (balance.candidates), and uses them all when all are saturated
+skips them while another has room (the data plane's routing.base.candidates), and uses them all when all are saturated
 (queueing anywhere beats refusing). Marks change the data plane's choice, never its membership, so no
 backend is ever removed and added back for load (what vllm-router needed, with a moment of none).
 The choice is pure (saturated_now, next_saturated); Rotation sends it to the router when it changes.

@@ -37,7 +37,7 @@ class DeploymentStatus:
     decisions: list[dict] = field(default_factory=list)  # the endpoint's last decisions, with reasons
     advice: str | None = None  # what to run to put it right (an endpoint without its controller)
     holding: dict | None = None  # no replica takes requests: held now, since when, the members waited for
-    admission_waiting: int = 0  # requests waiting now for room in the replicas' KV caches (endpoint/admission.py)
+    admission_waiting: int = 0  # requests waiting now for room in the replicas' KV caches (endpoint/dataplane/admission.py)
 
     def to_json(self) -> dict:
         """Plain JSON values (statuses and paths as text): what `hpcserve status --json` prints."""
@@ -62,7 +62,7 @@ def deployment_status(record: Record) -> DeploymentStatus:
     members = [member_line(Member.from_json(m)) for m in state.members]
     decisions = [d.to_dict() for d in state.decisions]
     # What clients get, asked of the data plane: the controller's file says ready while a late successor
-    # leaves the pool empty (endpoint/holding.py), and requests may wait for room in the KV caches
+    # leaves the pool empty (endpoint/control/holding.py), and requests may wait for room in the KV caches
     answer = (read_backends(RunPaths(Path(record.run_dir)).router_admin)
               if record.kind is RunKind.ENDPOINT and current in (RunStatus.READY, RunStatus.DEGRADED) else None)
     hold = holding(answer, members, decisions) if answer else None

@@ -1,6 +1,6 @@
 """A stream's continuation on another replica (issue 29): where it starts, its request, and each of its
 events made into the client's. No I/O. What the data plane keeps of the first attempt, and whether a
-request may migrate at all: endpoint/migration.py.
+request may migrate at all: endpoint/dataplane/migration.py.
 
 - Text lags tokens in two ways: a token that ends inside a UTF-8 character (or holds invalid bytes) gives
   "" until a later token completes it; stop strings make vLLM hold back the last (longest stop - 1)

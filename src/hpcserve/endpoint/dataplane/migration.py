@@ -1,5 +1,5 @@
 """Continuing a streamed completion on another replica (issue 29, "migrate"): the pure part. No I/O, no
-event loop; the data plane (dataplane.py) does the requests.
+event loop; the data plane (plane.py, streams.py) does the requests.
 
 When a replica fails mid-stream (connection lost, an error event, finish_reason "abort") or must go (a
 drain), the data plane sends a continuation to another replica: a /v1/completions request whose prompt is
@@ -10,10 +10,10 @@ are translated back to chat.completion.chunk events. The client sees one SSE str
 and model, no text twice or lost, usage summed (prompt_tokens of the original prompt). With temperature 0
 the text equals an uninterrupted run's (tests/endpoint/test_migration_vllm.py).
 
-The data plane (endpoint/streams.py) prepares each request (`prepare`: return_token_ids added when the
+The data plane (endpoint/dataplane/streams.py) prepares each request (`prepare`: return_token_ids added when the
 client did not ask), passes on whole events only (`EventSplitter`, `strip_ids`), keeps them (`Record`),
 and on a broken stream, an error event (`is_failure`) or a drain asks `why_not` and continues elsewhere
-(endpoint/continuation.py: `start`, `Continuation.feed`, `ending`).
+(endpoint/dataplane/continuation.py: `start`, `Continuation.feed`, `ending`).
 
 What vLLM sends (0.32 measured on CPU, 0.26 read in its source: the same fields and order):
 - return_token_ids, completions: every chunk's choice has "prompt_token_ids" (the first chunk: the list,
@@ -23,7 +23,7 @@ What vLLM sends (0.32 measured on CPU, 0.26 read in its source: the same fields 
   gives the client exactly the stream it would have had.
 - include_usage moves system_fingerprint from the finishing chunk to the usage chunk; so it is not added
   for a client that did not ask (token counts come from the token ids).
-- Where a continuation starts, and why there: endpoint/continuation.py.
+- Where a continuation starts, and why there: endpoint/dataplane/continuation.py.
 """
 
 from __future__ import annotations

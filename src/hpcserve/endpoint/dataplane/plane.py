@@ -4,7 +4,7 @@ several worker processes on one port).
     python -m hpcserve.endpoint.dataplane --host H --port P --key-file F --admin-socket S
                                           [--policy prefix|least_loaded|round_robin] [--hold-s 60] [--workers N]
 
-Clients (H:P). Every route goes to a replica that balance.choose picks (completions, chat, models,
+Clients (H:P). Every route goes to a replica that routing.choose picks (completions, chat, models,
 embeddings, tokenize, ...): the body passed on as bytes (the prefix policy also parses the prompt to
 route it: prefix_index); a response with a length up to --max-buffer-mb passed whole, any other (SSE
 streams, larger bodies) chunk by chunk as it arrives; status and headers kept. Each request must carry
@@ -14,21 +14,21 @@ GET /health alone is open and answers 200 from here: it says that this process l
 (no replica, no count), reaches no replica and changes nothing.
 Admin (the Unix socket S: mode 0600 in an owner-only folder, and the peer's uid checked): only the user
 who started the endpoint can change what it serves. Never on the client port (404 there). Its routes:
-endpoint/plane_admin.py.
+endpoint/dataplane/admin.py.
 Failures. A connection refused before the request was sent goes to another backend (at most --tries
 attempts) and keeps that backend out for --failed-s; one dropped after it was sent (the engine may have
 it) is sent again at most --resends times. Once the client got a byte, a stream whose replica fails (or is
-drained) continues on another replica, at most --migrations times (endpoint/streams.py); nothing else is
+drained) continues on another replica, at most --migrations times (endpoint/dataplane/streams.py); nothing else is
 retried then. An engine's 5xx is passed on. A client that leaves closes the engine's connection at once.
 While no backend can take a request (the pool empty during a handover, the one replica being replaced),
 requests are held up to --hold-s and sent on as soon as one is added; then 503 JSON with Retry-After.
-Prefills wait while prompts in flight take the replicas' KV caches (endpoint/admission.py).
+Prefills wait while prompts in flight take the replicas' KV caches (endpoint/dataplane/admission.py).
 Bounds: body size (413), header and body read times against slow clients, open connections (503 at
 accept), the wait for an engine's first byte and its silences between chunks (504 / a cut stream), and a
 malformed request gets a JSON 4xx while the server serves on.
 With --workers N > 1 (serve.router_workers), N processes accept on the port (SO_REUSEPORT) and tell each
-other what they route where; a supervisor serves the admin socket for all of them (endpoint/workers.py).
-`ps` shows it as "hpcserve-router --port P ..."; router.Router starts, finds and stops it by PID.
+other what they route where; a supervisor serves the admin socket for all of them (endpoint/dataplane/workers.py).
+`ps` shows it as "hpcserve-router --port P ..."; control.plane_client.Router starts, finds and stops it by PID.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ class Settings:
     first_byte_timeout_s: float = 1800.0
     read_timeout_s: float = 300.0  # a stream silent this long between chunks is cut
     grace_s: float = 5.0  # at SIGTERM: requests in flight may finish this long
-    migrations: int = 2  # times a stream may continue on another replica (endpoint/streams.py); 0: never
+    migrations: int = 2  # times a stream may continue on another replica (endpoint/dataplane/streams.py); 0: never
     workers: int = 1
     tokenizer: Path | None = None  # the model folder: prompts as token ids, to match the engines' KV events
     chat_template: Path | None = None  # the engines' --chat-template, where it replaces the model's
@@ -78,7 +78,7 @@ def parse_args(argv: list[str], description: str = "") -> Settings:
     parser.add_argument("--admit-kv-share", type=float, default=d.admit_kv_share,
                         help="the prefix policy with KV events: while the prompts in flight take more than this share "
                         "of the replicas' KV caches, new prefills wait and those whose prefix is cached go first "
-                        "(endpoint/admission.py; 0: never wait)")
+                        "(endpoint/dataplane/admission.py; 0: never wait)")
     args = parser.parse_args(argv)
     if args.hold_s < 0 or args.tries < 1 or args.resends < 0 or args.max_connections < 1 or args.max_body_mb <= 0:
         parser.error("--hold-s and --resends must be >= 0, --tries and --max-connections >= 1, --max-body-mb > 0")

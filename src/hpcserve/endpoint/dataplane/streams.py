@@ -13,7 +13,7 @@ the client no half event. What caused a migration:
                streams move now instead of being waited out, each at once (Stream.hand_over_now: an
                engine that has stalled, or is busy prefilling others, may send no next chunk for
                seconds or ever); one that cannot move finishes where it is
-The continuation goes to the replica balance.choose picks among those not yet tried for this request, at
+The continuation goes to the replica routing.choose picks among those not yet tried for this request, at
 most settings.migrations times; every migration, and every stream that could not be migrated, is counted
 (/metrics) and listed on the admin socket (GET /migrations: the controller writes them into its decisions).
 """

@@ -1,4 +1,4 @@
-"""What the data plane says and decides on the wire, apart from choosing a backend (balance.py): its own
+"""What the data plane says and decides on the wire, apart from choosing a backend (routing/): its own
 error answers (OpenAI-style JSON), which headers pass, what the prefix policy routes on, and when a
 failed attempt is tried again or a request held. No I/O, no event loop. (The key check is core.keys.KeyCheck,
 shared with the engines' guard and the monitor.)

@@ -15,7 +15,7 @@ load (a full socket buffer) costs a little affinity, never a request.
 
 The supervisor keeps the admin socket: PUT /backends goes to every worker's own socket (in the same
 owner-only folder); GET /backends and /metrics are the workers' answers merged (in-flight counts and
-counters summed). Stopping: SIGTERM reaches the whole process group (router.stop_router) or only this
+counters summed). Stopping: SIGTERM reaches the whole process group (control.plane_client.stop_router) or only this
 process, which passes it on, waits for the workers (their grace), and kills what is left. A worker that
 dies is reported and the others serve on; each worker also dies with its supervisor (PR_SET_PDEATHSIG).
 """
@@ -91,7 +91,7 @@ class Peers:
             loop.add_reader(sock.fileno(), self.heard, sock, pool)
 
     def choosing(self, choose: Callable[..., Backend | None]) -> Callable[..., Backend | None]:
-        """choose (balance.choose or the routing log's), knowing everything the siblings told so far, and
+        """choose (routing.choose or the routing log's), knowing everything the siblings told so far, and
         telling them where the prompt went."""
 
         def choose_with_siblings(pool: RoutingTable, policy: Routing, affinity: Affinity | None, now: float,
@@ -146,7 +146,7 @@ def die_with_parent() -> None:
     try:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):
-        pass  # not Linux: the process group's SIGTERM (router.stop_router) still reaches the workers
+        pass  # not Linux: the process group's SIGTERM (control.plane_client.stop_router) still reaches the workers
 
 
 def supervise(settings, key: str | None, client_socks: list[socket.socket], admin_sock: socket.socket,

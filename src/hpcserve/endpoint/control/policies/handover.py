@@ -1,7 +1,7 @@
 """Walltime handover: before a member's job reaches its time limit a successor is launched, and once the
 successor serves, the old member is drained (no request cut).
 
-When, and in which order, is decided by endpoint.decisions from facts gathered here each round (the
+When, and in which order, is decided by endpoint.control.decisions from facts gathered here each round (the
 formula is above its walltime section): Slurm's expected queue wait for a successor (sbatch --test-only,
 at most once a minute), the startups of the members that joined last, each job's EndTime, and while a
 successor starts, its job as Slurm reports it (its expected start while it waits, its start once it

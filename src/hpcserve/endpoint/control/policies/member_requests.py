@@ -2,7 +2,7 @@
 
 The command leaves a request in the endpoint's run folder (RUN_DIR/requests, owner-only); the controller's
 next round drains that member: no new requests, its open streams continued on the other replicas
-(endpoint/streams.py), stopped once nothing runs on it, and not replaced (retired).
+(endpoint/dataplane/streams.py), stopped once nothing runs on it, and not replaced (retired).
 
     retire(run_dir, "sb-m1", 210)     # the command's side: asks, then waits until the member is gone
     MemberRequests(run_dir)           # a controller policy: carries out what was asked, once

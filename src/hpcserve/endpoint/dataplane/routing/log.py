@@ -6,8 +6,8 @@ only says where a request went. Off by default: it costs a pass over the pool pe
     {"t": 1796480000.12, "pid": 4242, "head": [17, 9, 311, 5], "blocks": 16, "to": "http://10.0.0.6:8001",
      "seen": {"http://10.0.0.5:8001": [0.9375, 12, 0.41], "http://10.0.0.6:8001": [0.0, 3, 0.38]}}
 
-`seen` per replica: [the part of the prompt it holds (balance.cached_share), its requests in flight through
-this worker, its cache fill (balance.cache_fill)]; `head`: the prompt's first token ids (a prompt's name).
+`seen` per replica: [the part of the prompt it holds (table.cached_share), its requests in flight through
+this worker, its cache fill (table.cache_fill)]; `head`: the prompt's first token ids (a prompt's name).
 Every worker of a data plane appends to the same file, one line per write.
 """
 
@@ -37,7 +37,7 @@ class RoutingLog:
 
     def choose(self, pool: RoutingTable, policy: Routing, affinity: Affinity | None, now: float,
                tried: tuple[Backend, ...] = ()) -> Backend | None:
-        """balance.choose, written down."""
+        """routing.choose, written down."""
         if affinity is None or not affinity.has_prompt:
             return choose(pool, policy, affinity, now, tried)
         before = seen(pool, affinity, now)

@@ -63,7 +63,7 @@ class Backend:
     failed_until: float = 0.0  # monotonic time; skipped until then after a connection error
     requests: int = 0  # requests sent there since it joined
     failures: int = 0  # connection errors
-    handing_over: bool = False  # drained: its streams move to other backends (endpoint/streams.py)
+    handing_over: bool = False  # drained: its streams move to other backends (endpoint/dataplane/streams.py)
 
     def load(self) -> float:
         return self.in_flight / self.capacity
