@@ -17,9 +17,14 @@ if [ "${1:-}" = "--fast" ]; then
   # Two workers: these tests share nothing but the machine (about 65 s here instead of 165 s in one).
   exec "${PYTEST[@]}" -q -n 2 "${FAST[@]}" "$@"
 fi
-# The dashboard test drives Debian's Chromium (never a browser download).
-if [ "$(id -u)" = 0 ] && [ ! -x /usr/bin/chromium ]; then
-  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null
+# As root, the Debian packages the tests need are installed here, once, before the workers start (two
+# workers' apt-get at once fail on apt's lock): Chromium for the dashboard test (never a browser download),
+# Slurm and munge for the sandbox.
+if [ "$(id -u)" = 0 ]; then
+  if [ ! -x /usr/bin/chromium ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null
+  fi
+  .venv/bin/hpcserve sandbox install >/dev/null
 fi
 if [ $# -gt 0 ]; then
   exec "${PYTEST[@]}" -rs -n "${HPCSERVE_TEST_WORKERS:-0}" "$@"

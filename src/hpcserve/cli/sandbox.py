@@ -15,6 +15,7 @@ from rich.markup import escape
 from hpcserve.core.errors import HpcserveError
 from hpcserve.core.tables import narrow_table
 from hpcserve.sandbox.cluster import Sandbox, SandboxStatus
+from hpcserve.sandbox.packages import PACKAGES, install_packages
 
 app = typer.Typer(
     help=(
@@ -81,6 +82,17 @@ def up(
     print_status(sandbox.status())
     console.print(f"up in {time.monotonic() - started:.1f} s. Use it from this shell with:\n"
                   f"  eval \"$(hpcserve sandbox env)\"", highlight=False)
+
+
+@app.command()
+@reports_errors
+def install() -> None:
+    """Install the Debian packages the sandbox needs (Slurm, munge, iproute2) unless they are there.
+
+    `up` does this itself; run it first where several sandboxes will start at once (parallel tests).
+    """
+    install_packages()
+    console.print(f"installed: {' '.join(PACKAGES)}", highlight=False)
 
 
 @app.command()

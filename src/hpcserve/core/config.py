@@ -41,12 +41,20 @@ class Strict(BaseModel):
 
 
 class ModelSpec(Strict):
-    path: str = Field(description=f"local folder, a hub id, or {BUILTIN_TINY} (built on first use)")
+    """What to serve: the weights, the name clients ask for, and how vLLM loads them."""
+
+    path: str = Field(description=f"local folder, a hub id, or {BUILTIN_TINY} (a random-weight Llama built on "
+                      "first use into ~/.cache/hpcserve, no download); on Slurm a folder every compute node can read")
     catalog: str | None = Field(None, description="a catalogue name such as llama-3.1-70b: the model's shape and "
                                 "recommended settings without reading config.json (`hpcserve plan --list-models`)")
-    served_name: str | None = Field(None, description="name clients use in requests; default: the folder name")
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
-    max_model_len: int | None = Field(None, gt=0, description="context length; default: the model's")
+    served_name: str | None = Field(None, description="name clients use in requests (their `model`); default: "
+                                    "the folder name, the last part of path")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="vLLM --dtype of weights and activations; auto: the checkpoint's, except float32 "
+        "checkpoints, which vLLM runs in bfloat16. The planner sizes memory by it. float32 works on every CPU "
+        "(bfloat16 crashes some with SIGILL)")
+    max_model_len: int | None = Field(None, gt=0, description="context length in tokens (vLLM --max-model-len); "
+                                      "default: the model's")
     quantization: str | None = Field(None, description="vLLM --quantization, e.g. awq, gptq, fp8")
 
     @property
@@ -57,15 +65,28 @@ class ModelSpec(Strict):
 
 
 class ClusterSpec(Strict):
-    scheduler: Literal["local", "slurm"] = "local"
-    nodes: int = Field(1, gt=0)
-    gpus_per_node: int = Field(0, ge=0, description="0 runs vLLM on CPUs")
-    cpus_per_node: int = Field(2, gt=0)
-    gpu_memory_gb: float = Field(80.0, gt=0, description="memory of one GPU, used by the planner")
-    partition: str | None = None
-    account: str | None = None
-    qos: str | None = None
-    time: str = Field("01:00:00", description="Slurm walltime, e.g. 30, 1:00:00, 2-00:00:00")
+    """Where the deployment runs, this machine or Slurm, and the resources of each node."""
+
+    scheduler: Literal["local", "slurm"] = Field(
+        "local", description="local: everything on this machine (one node); slurm: the engines run in Slurm "
+        "batch jobs submitted from this machine (a login node)")
+    nodes: int = Field(1, gt=0, description="nodes of the deployment: parallelism must fit in nodes x the workers "
+                       "a node holds (one per GPU, or per CPU core with gpus_per_node 0), and the planner searches "
+                       "within them. Slurm: the job's --nodes with serve.router false; behind the router each "
+                       "replica's job gets the nodes its layout needs. local: 1")
+    gpus_per_node: int = Field(0, ge=0, description="GPUs per node, one engine worker each (--gpus-per-node unless "
+                               "site.gres is false); 0 runs vLLM on CPUs")
+    cpus_per_node: int = Field(2, gt=0, description="CPU cores per node: the job's --cpus-per-task (one task per "
+                               "node) and Ray's CPUs on each node; with gpus_per_node 0 also the engine workers a "
+                               "node holds, one per core")
+    gpu_memory_gb: float = Field(80.0, gt=0, description="memory of one GPU in GiB, used by the planner to fit "
+                                 "weights and KV cache")
+    partition: str | None = Field(None, description="Slurm partition (--partition); null: the cluster's default "
+                                  "partition")
+    account: str | None = Field(None, description="Slurm account charged (--account); null: your default account")
+    qos: str | None = Field(None, description="Slurm quality of service (--qos); null: your account's default")
+    time: str = Field("01:00:00", description="Slurm walltime of each job (--time): minutes (30), H:M:S "
+                      "(1:00:00) or D-H:M:S (2-00:00:00); UNLIMITED and infinite work too")
     setup: list[str] = Field(default_factory=list, description="shell lines run on every node first: module load, venv, container")
     sbatch_extra: list[str] = Field(default_factory=list, description="extra #SBATCH options, e.g. --constraint=h100")
 
@@ -84,6 +105,9 @@ class ClusterSpec(Strict):
 
 
 class Layout(Strict):
+    """How a replica is split over workers (GPUs, or CPU cores on CPU nodes) and how many replicas serve;
+    `parallelism: auto` lets the planner choose (`hpcserve plan CONFIG` shows its choice, docs/planner.md)."""
+
     tensor: int = Field(1, gt=0, description="tensor-parallel size (GPUs that split each layer)")
     pipeline: int = Field(1, gt=0, description="pipeline-parallel size (stages, usually one per node)")
     replicas: int = Field(1, gt=0, description="independent engines behind the endpoint")
@@ -94,12 +118,17 @@ class Layout(Strict):
 
 
 class EngineSpec(Strict):
+    """How each vLLM engine is started: executor, weight loading, compile cache, extra arguments and
+    environment."""
+
     executor: Literal["auto", "ray", "mp", "uni"] = Field("auto", description="auto: a replica of one worker runs in "
                                                          "one process (uni), bigger ones on ray with GPUs, mp on CPUs "
                                                          "(vLLM on CPU refuses ray)")
     args: list[str] = Field(default_factory=list, description="extra vLLM arguments, e.g. ['--enforce-eager']")
     env: dict[str, str] = Field(default_factory=dict, description="environment for every engine process on every node")
-    startup_timeout_s: float = Field(600, gt=0)
+    startup_timeout_s: float = Field(600, gt=0, description="seconds the engines get, once started, to answer a "
+                                     "real completion; after that the start fails. `hpcserve up` waits at most "
+                                     "this + 600 s (its --timeout)")
     load_format: str = Field("auto", pattern=r"^[a-z0-9_]+$", description="how vLLM reads the weights: auto (the "
                              "fastest loader installed on the nodes, docs/benchmarks/gpu.md), or a vLLM "
                              "--load-format such as safetensors, runai_streamer, fastsafetensors, instanttensor")
@@ -133,8 +162,12 @@ class EngineSpec(Strict):
 
 
 class ServeSpec(Strict):
+    """The OpenAI-compatible endpoint: its address and API key, the router in front of the replicas, walltime
+    handovers."""
+
     host: str = Field("127.0.0.1", description="address the endpoint binds; 0.0.0.0 on a cluster")
-    port: int = Field(8000, ge=1, le=65535)
+    port: int = Field(8000, ge=1, le=65535, description="TCP port of the endpoint; the replicas' engines take "
+                      "the ports above it (without the router: replica i on serve.port + i)")
     api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
                                     description="name of the environment variable that holds the API key; "
                                     "unset or empty: hpcserve generates one (run folder, mode 0600)")
@@ -218,7 +251,7 @@ class ReplicaGroup(Strict):
     deployment with these fields changed. The endpoint's load-aware rotation sends each replica new
     requests as fast as it finishes them, so traffic follows each replica's capacity."""
 
-    replicas: int = Field(1, gt=0)
+    replicas: int = Field(1, gt=0, description="replicas of this shape, each its own Slurm job")
     tensor: int | None = Field(None, gt=0, description="default: parallelism.tensor")
     pipeline: int | None = Field(None, gt=0, description="default: parallelism.pipeline")
     partition: str | None = Field(None, description="default: cluster.partition")
@@ -243,17 +276,23 @@ class ReplicaGroup(Strict):
 
 
 class DeploymentConfig(Strict):
-    name: str = Field(pattern=NAME_PATTERN, description="lowercase letters, digits and '-', at most 40")
-    model: ModelSpec
-    cluster: ClusterSpec = ClusterSpec()
+    """A deployment file: one model served on one cluster behind one endpoint."""
+
+    name: str = Field(pattern=NAME_PATTERN, description="the deployment's name (`hpcserve status NAME`, "
+                      "`hpcserve down NAME`): lowercase letters, digits and '-', at most 40")
+    model: ModelSpec = Field(description="the model to serve")
+    cluster: ClusterSpec = Field(ClusterSpec(), description="where it runs and each node's resources")
     parallelism: Union[Literal["auto"], Layout] = Field(Layout(), description="'auto' or {tensor, pipeline, replicas}")
-    engine: EngineSpec = EngineSpec()
-    serve: ServeSpec = ServeSpec()
+    engine: EngineSpec = Field(EngineSpec(), description="how each vLLM engine is started")
+    serve: ServeSpec = Field(ServeSpec(), description="the endpoint clients use")
     autoscale: AutoscaleSpec | None = Field(None, description="replicas follow the load (Slurm only)")
     replica_groups: list[ReplicaGroup] = Field(default_factory=list, description="more replicas of other shapes "
                                                "behind the endpoint (serve.router), besides parallelism's")
-    site: SiteSpec = SiteSpec()
-    results_dir: str = "results"
+    site: SiteSpec = Field(SiteSpec(), description="how the site runs software on its compute nodes; "
+                           "`--site FILE` replaces it (docs/sites.md)")
+    results_dir: str = Field("results", description="folder of the run folders (logs/NAME-ID/: logs, state, the "
+                             "generated API key), relative to the current folder; on Slurm one every compute node "
+                             "mounts. Refused when others can write into it")
 
     @model_validator(mode="after")
     def _layout_fits(self) -> DeploymentConfig:

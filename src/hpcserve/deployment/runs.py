@@ -14,6 +14,9 @@
     LocalRun.restart(record, module)   a new process in the same run folder (an endpoint's controller
                            adopting what its lost predecessor left running)
 
+Slurm is reached through one SlurmClient, passed in where runs are made (`launch`, `run_of`, `Runs`); a new
+one where the caller gives none.
+
 Each run gets a new folder of its own (mode 0700) with its config and its copy of the API key (0600), all
 in place before its process starts: the key reaches the driver as a file, never through a command line,
 a script or a Slurm job's environment (which slurmctld keeps, and slurmdbd with AccountingStoreFlags=job_env).
@@ -28,7 +31,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -55,15 +58,20 @@ FINISH_POLL_S = 0.5  # how often a stop looks at the shared watcher (which asks 
 
 
 def launch(cfg: DeploymentConfig, results: Path, key: ApiKey, extra_env: dict[str, str] | None = None,
-           driver_module: str = DRIVER_MODULE) -> Record:
-    """Start a deployment's driver: detached on this machine (local), or as a Slurm batch job."""
+           driver_module: str = DRIVER_MODULE, slurm: SlurmClient | None = None) -> Record:
+    """Start a deployment's driver: detached on this machine (local), or as a Slurm batch job (through
+    `slurm`, a new client by default)."""
     if cfg.cluster.scheduler == "local":
         return LocalRun.start(cfg, results, driver_module, RunKind.DRIVER, key, extra_env or {}).record
-    return SlurmRun.submit(cfg, results, key, extra_env or {}, driver_module).record
+    return SlurmRun.submit(cfg, results, key, extra_env or {}, driver_module, slurm).record
 
 
-def run_of(record: Record, jobs: JobWatcher | None = None) -> LocalRun | SlurmRun:
-    return SlurmRun(record, jobs) if record.job_id else LocalRun(record)
+def run_of(record: Record, jobs: JobWatcher | None = None, slurm: SlurmClient | None = None) -> LocalRun | SlurmRun:
+    """slurm: the client a Slurm job is asked about and stopped through; the shared watcher's when
+    there is one, else a new one."""
+    if not record.job_id:
+        return LocalRun(record)
+    return SlurmRun(record, jobs, slurm or (jobs.client if jobs is not None else SlurmClient()))
 
 
 def is_running(record: Record) -> bool:
@@ -109,7 +117,7 @@ class Runs:
         return cls(JobWatcher(SlurmClient(), check_every_s), driver_module)
 
     def launch(self, cfg: DeploymentConfig, results: Path, key: ApiKey, extra_env: dict[str, str]) -> Record:
-        record = launch(cfg, results, key, extra_env, self.driver_module)
+        record = launch(cfg, results, key, extra_env, self.driver_module, self.jobs.client)
         if record.job_id:
             self.jobs.watch(record.job_id)
         return record
@@ -121,14 +129,14 @@ class Runs:
         return self.jobs.calls
 
 
-def expected_start(cfg: DeploymentConfig, results: Path) -> WillRun | None:
+def expected_start(cfg: DeploymentConfig, results: Path, slurm: SlurmClient | None = None) -> WillRun | None:
     """When Slurm would start this deployment's job if it were submitted now (`sbatch --test-only` on the
     script `launch` would submit); None in local mode or when Slurm gives no estimate (an error, a site's
     sbatch wrapper): the caller plans without a queue wait then."""
     if cfg.cluster.scheduler == "local":
         return None
     try:
-        return SlurmClient().will_run(render_batch_script(cfg, config_yaml(cfg), sys.executable, results))
+        return (slurm or SlurmClient()).will_run(render_batch_script(cfg, config_yaml(cfg), sys.executable, results))
     except HpcserveError:
         return None
 
@@ -271,16 +279,17 @@ class SlurmRun:
 
     record: Record
     jobs: JobWatcher | None = None  # shared with other runs: one squeue for all; None: asked alone
+    slurm: SlurmClient = field(default_factory=SlurmClient)  # submits, asks (without `jobs`) and cancels
 
     @classmethod
     def submit(cls, cfg: DeploymentConfig, results: Path, key: ApiKey, extra_env: dict[str, str],
-               driver_module: str = DRIVER_MODULE) -> SlurmRun:
+               driver_module: str = DRIVER_MODULE, slurm: SlurmClient | None = None) -> SlurmRun:
         """sbatch --hold, the run folder filled (config, key, script), then the job released: when the job
         starts, what it reads is there, and only we could have put it there."""
         script = render_batch_script(cfg, config_yaml(cfg), sys.executable, results, driver_module)
         staging = private_dir(private_dir(results / "logs") / f".submit-{cfg.name}-{secrets.token_hex(4)}",
                               fresh=True)
-        client = SlurmClient()
+        client = slurm or SlurmClient()
         try:
             # sbatch exports the submitter's environment and umask to the job: never the key's variable
             # (the job reads the key from its run folder), the rest as it is (extra_env holds no secret)
@@ -299,7 +308,7 @@ class SlurmRun:
             _cancel_quietly(client, job_id)  # a held job that cannot be prepared never runs
             shutil.rmtree(staging, ignore_errors=True)
             raise
-        return cls(Record(name=cfg.name, scheduler="slurm", run_dir=str(paths.root), job_id=job_id))
+        return cls(Record(name=cfg.name, scheduler="slurm", run_dir=str(paths.root), job_id=job_id), slurm=client)
 
     @property
     def log(self) -> Path:
@@ -311,7 +320,7 @@ class SlurmRun:
         if self.jobs is not None:
             return self.jobs.info(self.record.job_id)
         try:
-            return SlurmClient().job(self.record.job_id)
+            return self.slurm.job(self.record.job_id)
         except SlurmError:
             return None
 
@@ -333,7 +342,7 @@ class SlurmRun:
         return info.describe() if info is not None and info.state.active else None
 
     def stop(self, timeout_s: float = 90.0, grace_s: float = 0.0) -> list[int]:
-        client = SlurmClient()
+        client = self.slurm
         info = self.info()
         if info is None or info.state.finished:
             return []
@@ -359,7 +368,7 @@ class SlurmRun:
         multiply the queries); alone, polled with backoff."""
         if self.jobs is None:
             try:
-                return SlurmClient().wait_for(self.record.job_id, lambda j: j.state.finished, timeout=timeout_s,
+                return self.slurm.wait_for(self.record.job_id, lambda j: j.state.finished, timeout=timeout_s,
                                               poll=0.5).state.finished
             except JobWaitTimeout:
                 return False

@@ -168,9 +168,20 @@ def request_reason(kind: Kind, data: dict) -> str | None:
             content = message.get("content") if isinstance(message, dict) else None
             if isinstance(content, list) and any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
                 return "a message with non-text parts (the continuation is token ids only)"
+    # What _request reads must have its type; a request without it is not migrated but sent on as it is, for
+    # vLLM to refuse (a 400 that names the field) or to read its own way (pydantic takes "5" for 5).
+    options = data.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        return f"stream_options is not an object ({_short(options)})"
+    for key in ("max_tokens", "max_completion_tokens", "min_tokens"):
+        value = data.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            return f"{key} is not a whole number ({_short(value)})"
     stop = data.get("stop")
     if stop is not None and not isinstance(stop, (str, list)):
         return "stop is neither a string nor a list"
+    if isinstance(stop, list) and not all(isinstance(s, str) for s in stop):
+        return "stop is a list of other things than strings"
     return None
 
 

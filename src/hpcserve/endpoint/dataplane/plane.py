@@ -34,6 +34,7 @@ other what they route where; a supervisor serves the admin socket for all of the
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import socket
 import sys
@@ -60,7 +61,6 @@ from hpcserve.endpoint.dataplane.metrics import CLIENT_CLOSED, Stats
 from hpcserve.endpoint.dataplane.server import (ClientServer, RelayedStream, answered_status, bind_admin_socket,
                                             client_sockets)
 from hpcserve.endpoint.dataplane.settings import Settings, parse_args
-from hpcserve.endpoint.dataplane.routing.prefix_index import request_json
 from hpcserve.endpoint.dataplane.routing.prompt_tokens import PromptTokenizer
 from hpcserve.endpoint.dataplane.routing.log import RoutingLog
 from hpcserve.endpoint.dataplane.streams import Lease, Stream
@@ -163,7 +163,7 @@ class DataPlane:
         body = await self.read_body(request)
         headers = wire.forwarded_headers(request.headers.items())
         migrates = self.settings.migrations > 0 and request.method == "POST"
-        data = request_json(body) if body and (self.prefix or migrates) else None
+        data = body_json(body, request.headers.get("Content-Type")) if body and (self.prefix or migrates) else None
         affinity = None
         if self.prefix:  # prompts are tokenized only while some engine's KV events are followed
             affinity = wire.request_affinity(request.headers, data, self.tokenizer if self.pool.exact else None)
@@ -326,6 +326,23 @@ class DataPlane:
         where = f"to {migration.to}" if migration.to else f"not moved: {migration.reason}"
         print(f"{PROCESS_TITLE}: migration ({migration.cause}) of a {migration.kind} stream from {migration.source} "
               f"after {migration.tokens} token(s): {where}", flush=True)
+
+
+def body_json(body: bytes, content_type: str | None) -> dict | None:
+    """The body's JSON object (None: it has none, for the engine to refuse or read its own way). A body that
+    vLLM 0.32 would read as JSON but cannot decode (not UTF-8, or nested past Python's recursion limit) is
+    refused here: vLLM answers it a 400 outside OpenAI's error shape ({"detail": ...}), and parsing it here
+    raised RecursionError, a 500. Any other body is the engine's to judge, as before."""
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, RecursionError) as exc:
+        if not wire.json_content(content_type):  # the engine does not read it as JSON (a file upload): its answer
+            return None
+        reason = "is not valid UTF-8" if isinstance(exc, UnicodeDecodeError) else "nests its JSON too deeply"
+        raise Refusal(400, wire.invalid_body(f"the request body {reason}")) from None
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def attempt_failed(exc: BaseException) -> AttemptFailed:

@@ -56,6 +56,21 @@ def bad_request(reason: str) -> bytes:
     return error_body(f"hpcserve endpoint: malformed HTTP request: {reason}", "invalid_request_error", "bad_request")
 
 
+def invalid_body(reason: str) -> bytes:
+    """A body the data plane refuses itself: only what vLLM would answer with a 500 or outside OpenAI's
+    error shape (the rest is vLLM's to judge, its 4xx passed on)."""
+    return error_body(f"hpcserve endpoint: {reason}", "invalid_request_error", "invalid_request_body")
+
+
+def json_content(content_type: str | None) -> bool:
+    """Whether vLLM's server (FastAPI) reads a body of this Content-Type as JSON: none, application/json,
+    application/*+json."""
+    if not content_type:
+        return True
+    kind = content_type.split(";", 1)[0].strip().lower()
+    return kind == "application/json" or kind.startswith("application/") and kind.endswith("+json")
+
+
 def body_timeout(timeout_s: float) -> bytes:
     return error_body(f"hpcserve endpoint: the request body did not arrive within {timeout_s:g} s.",
                       "invalid_request_error", "request_timeout")
