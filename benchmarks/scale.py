@@ -17,7 +17,7 @@ the controller's launcher seam). Then, in order:
              replacements (self-healing) take to join, the round time meanwhile
 
 The load generator (benchmarks/scale_load.py) is a process of its own. Everything shares this
-machine's cores: see docs/benchmarks/scale.md for how to read the figures.
+machine's cores: see benchmarks/results/scale.md for how to read the figures.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ OUT=${OUT:-$BENCH_DIR/out}; mkdir -p "$OUT"
 RAW=$BENCH_DIR/raw/$PHASE-$(date +%H%M%S); mkdir -p "$RAW"
 RES=$BENCH_DIR/results.jsonl; touch "$RES"
 SUM=$OUT/summary.txt
-# What every `vllm serve` here shares (the flags of the measurements in docs/benchmarks/gpu.md); BENCH_COMMON overrides it for a CPU dry run.
+# What every `vllm serve` here shares (the flags of the measurements in benchmarks/results/gpu.md); BENCH_COMMON overrides it for a CPU dry run.
 COMMON=${BENCH_COMMON:---served-model-name m --host 127.0.0.1 --dtype bfloat16 --max-model-len 2048 --disable-custom-all-reduce}
 KV_BYTES=${BENCH_KV_BYTES:-38654705664}   # 36 GiB of KV cache per routing replica (~ --gpu-memory-utilization 0.42)
 REPLICA_MEM=${BENCH_REPLICA_MEM:---gpu-memory-utilization 0.42 --kv-cache-memory-bytes $KV_BYTES}

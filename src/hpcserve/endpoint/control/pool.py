@@ -6,7 +6,7 @@ SLOW_PROBES_TO_LEAVE if they only answered late: a busy engine; skipped for new 
 its member's job ends, or when it is drained on purpose. Between the controller's rounds the
 load-aware rotation (endpoint.control.rotation) marks backends whose engine queues as saturated in the data plane.
 
-A round costs about the same at 4 and at 256 replicas (docs/benchmarks/scale.md): probes and /metrics
+A round costs about the same at 4 and at 256 replicas (benchmarks/results/scale.md): probes and /metrics
 reads run on the prober's event loop (bounded, each with its own timeout: endpoint.control.probe), started in
 steps five times a second and spread over the second (decisions.probes_due), busy backends read every
 step and idle ones once a second (decisions.reads_due); the controller's loop takes the results in
@@ -36,7 +36,7 @@ from hpcserve.engine.client import completion_probe, kv_cache_size
 from hpcserve.engine.metrics import EngineLoad
 
 PROBE_TIMEOUT_S = 1.0
-ROTATION_S = 0.2  # the load-aware rotation between rounds (measured: docs/benchmarks/router.md)
+ROTATION_S = 0.2  # the load-aware rotation between rounds (measured: benchmarks/results/router.md)
 HISTORY_SAMPLES = 600  # load samples kept for the autoscaler (about ten minutes at one a second)
 JOIN_PROBES_AT_ONCE = 16  # real completions sent at once to joining replicas
 JOIN_TIMEOUT_S = 60.0

@@ -4,7 +4,7 @@ One probe after the other cost the controller a round of N x (two requests + a p
 /metrics page), and one silent replica (a dead node: no answer, no refusal) held the whole round for
 its timeout. Here the requests of one round run together on an event loop of their own (a thread),
 at most MAX_IN_FLIGHT at a time, each with its own timeout, so a round takes about as long as its
-slowest replica, not the sum of them (measured: docs/benchmarks/scale.md).
+slowest replica, not the sum of them (measured: benchmarks/results/scale.md).
 
     prober = Prober(api_key)
     results = prober.probe(urls, timeout_s=1.0)     # url -> Probed (health and load), waiting for all

@@ -2,7 +2,7 @@
 
 Under traffic whose shared prefixes outgrow the replicas' KV caches, a router alone decides only where a
 prefix lives; which prefix is still cached when its repeat comes is then the engines' LRU, and that is the
-same for any router that gives each prefix one home (docs/benchmarks/routing.md). What a router can still
+same for any router that gives each prefix one home (benchmarks/results/routing.md). What a router can still
 change is the order: a request whose prefix is cached now costs a short prefill if it runs now, and a whole
 one if it runs after the prefix was evicted. So while the prompts in flight through this process take more
 than `share` of the replicas' KV caches, a request that would start a new prefill waits here, and when one
@@ -34,7 +34,7 @@ from hpcserve.endpoint.dataplane.routing.table import MATCH_FRACTION, Affinity, 
 
 # The share of the replicas' KV caches that prompts in flight may take before new prefills wait; the lower,
 # the more requests wait here to be reordered. On the GPU benchmark (128 requests of 2,000 tokens in flight,
-# two 131,072-token caches, docs/benchmarks/routing.md): 0.6 gave 1.03x cache_aware's throughput, 0.4 1.08x
+# two 131,072-token caches, benchmarks/results/routing.md): 0.6 gave 1.03x cache_aware's throughput, 0.4 1.08x
 # (hits 1.32x what the engines' LRU allows alone), 0.25 no more than 0.4 and a later median first token.
 DEFAULT_SHARE = 0.4
 # The longest a request waits while others (whose prefix is cached) go before it: then it goes first.

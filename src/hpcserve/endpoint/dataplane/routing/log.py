@@ -1,6 +1,6 @@
 """`--routing-log FILE`: one JSON line per request the prefix policy routes, saying what each replica was
 seen to hold of the prompt just before the choice and where the request went. It answers "why did this
-repeat miss its cache" (docs/benchmarks/routing.md) from the data plane's side, where vLLM's request log
+repeat miss its cache" (benchmarks/results/routing.md) from the data plane's side, where vLLM's request log
 only says where a request went. Off by default: it costs a pass over the pool per request.
 
     {"t": 1796480000.12, "pid": 4242, "head": [17, 9, 311, 5], "blocks": 16, "to": "http://10.0.0.6:8001",

@@ -31,7 +31,7 @@ PREFIX_EPSILON = 0.25
 # its capacity (64 of vLLM's 256 sequences, vllm-router's --balance-abs-threshold). A repeat sent elsewhere
 # pays a whole prefill again, a little more load only a little decode time: the bound is loose on purpose.
 # An eighth (32) split about 1 prefix in 50 on the GPU at 128 in flight (holders at 53-55 against 17-22),
-# where cache_aware kept them (docs/benchmarks/routing.md).
+# where cache_aware kept them (benchmarks/results/routing.md).
 BALANCE_SLACK = 0.25
 
 

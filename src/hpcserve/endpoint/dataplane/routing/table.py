@@ -25,7 +25,7 @@ VIRTUAL_NODES = 64  # points per backend on the hash ring: shares within a few p
 # short shared system prompt before long distinct questions does not pull every request to one replica.
 MATCH_FRACTION = 0.5
 # A prompt sent to a replica is in its cache before its engine says so: the events come once its prefill
-# ran, which under load takes seconds (TTFT p99 ~5 s on an H100 at 128 in flight, docs/benchmarks/routing.md).
+# ran, which under load takes seconds (TTFT p99 ~5 s on an H100 at 128 in flight, benchmarks/results/routing.md).
 # Its blocks count as held there this long at most, or until the engine stores them (token_index.expect).
 PENDING_S = 15.0
 
@@ -187,7 +187,7 @@ def cached_share(pool: RoutingTable, url: str, affinity: Affinity, now: float) -
 def cache_fill(pool: RoutingTable, url: str, now: float) -> float:
     """How full url's prefix cache is (0 empty, 1 full): from its engine's events where followed and its
     size known, with the prompts on their way in (else new prefixes pile onto the replica whose events lag
-    most, until its repeats outgrow it: seen on CPU, docs/benchmarks/routing.md), else by the prompts sent
+    most, until its repeats outgrow it: seen on CPU, benchmarks/results/routing.md), else by the prompts sent
     there."""
     exact, kv_tokens = pool.exact.get(url), pool.kv_tokens.get(url)
     if exact is not None and exact.complete and kv_tokens:

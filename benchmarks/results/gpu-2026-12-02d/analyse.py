@@ -1,4 +1,4 @@
-"""Tables of docs/benchmarks/gpu.md's section on issue 20 part 3 (2026-12-02, third session): TTFT below
+"""Tables of benchmarks/results/gpu.md's section on issue 20 part 3 (2026-12-02, third session): TTFT below
 saturation, open loop. Reads this folder's routing.jsonl (one line per run: the client's summary and both
 replicas' vLLM metric deltas) and callN-raw.tar.gz (the client's per-request records).
 
