@@ -212,6 +212,9 @@ def test_logs_lists_every_component(deployment):
     listing = run_cli("logs", "t-local", "--list").stdout
     for part in ("driver.log", "ray-start.log", "engines/replica0-rank0", "health.json", "timeline.json"):
         assert part in listing, listing
+    shown = run_cli("logs", "t-local", "--component", "driver", "--lines", "400").stdout
+    assert " INFO hpcserve.endpoint.control.controller[" in shown and ": serving on 127.0.0.1:" in shown, shown
+    assert " INFO " not in run_cli("logs", "t-local", "--component", "driver", "--level", "ERROR").stdout
 
 
 def test_second_up_with_same_name_is_refused(deployment):

@@ -13,6 +13,7 @@ Background threads (a member's stop, a drain) change members only under `lock`.
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 import time
@@ -46,12 +47,18 @@ from hpcserve.endpoint.control.pool import ROTATION_S, Pool
 from hpcserve.slurm.parse import WillRun
 from hpcserve.slurm.states import JobInfo
 
+log = logging.getLogger(__name__)
+
 TICK_S = 1.0
 JOB_CHECK_EVERY_S = 5.0  # Slurm is asked about a member at most this often: sites rate-limit squeue
 MEMBER_STOP_TIMEOUT_S = 60.0
 DRAIN_TIMEOUT_S = 120.0  # a drained replica is stopped after this even if requests still run on it
 FORWARDED_STAGES = (Stage.RAY, Stage.HEALTH, Stage.ENGINE)  # the first member's stages appear in the endpoint's timeline
 DECISIONS_KEPT = 100
+# The decisions logged above INFO (the others are the controller's ordinary work).
+DECISION_LEVELS = {"error": logging.ERROR, "launch failed": logging.WARNING, "give up": logging.WARNING,
+                   "down member": logging.WARNING, "router restarted": logging.WARNING,
+                   "successor late": logging.WARNING}
 RECENT_ROUNDS = 20  # the last rounds' durations, in state.json as they are
 ROUNDS_KEPT = 300  # round durations kept for the round-time figures in state.json (five minutes)
 
@@ -284,7 +291,7 @@ class Controller:
     def request_stop(self, signum: int, _frame) -> None:
         """Signal handler: note it; the loop stops at the next step (no exception in the middle of one)."""
         self.stop_requested = signal.Signals(signum).name
-        print(f"[endpoint] stop requested ({self.stop_requested}) by signal", flush=True)
+        log.info("stop requested (%s) by signal", self.stop_requested)
 
     def keep_router_up(self) -> None:
         if not self.router.alive():  # the data plane died: same port, same pool, at once
@@ -371,7 +378,7 @@ class Controller:
     def decide(self, action: str, reason: str) -> None:
         self.decisions.append(Decision(time.time(), action, reason))
         del self.decisions[:-DECISIONS_KEPT]
-        print(f"[endpoint] {action}: {reason}", flush=True)
+        log.log(DECISION_LEVELS.get(action, logging.INFO), "%s: %s", action, reason)
 
     def forward_first_member(self) -> None:
         """`up` follows the endpoint's timeline: show the first member's stages in it as they happen."""

@@ -17,10 +17,10 @@ it was (the data plane kept serving without a controller; it does so still).
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
-import traceback
 from pathlib import Path
 
 from hpcserve.core.config import Layout, load_config
@@ -39,6 +39,8 @@ from hpcserve.engine.args import routes_by_cache
 from hpcserve.engine.client import READY_PROMPT, completion_probe
 from hpcserve.engine.kv_events import flag_value
 from hpcserve.planning.model_source import resolve_model_path, resolved_layout
+
+log = logging.getLogger(__name__)
 
 
 def serve(ctl: Controller) -> None:
@@ -96,7 +98,7 @@ def teardown(ctl: Controller) -> None:
         try:
             ctl.runs.run_of(member.as_record()).stop(timeout_s=MEMBER_STOP_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - keep stopping the others
-            traceback.print_exc()
+            log.exception("stopping member %s failed", member.name)
 
     threads = [threading.Thread(target=stop_one, args=(m,)) for m in ctl.members if m.status is not MemberStatus.GONE]
     for thread in threads:

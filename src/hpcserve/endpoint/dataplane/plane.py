@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import signal
 import socket
 import sys
@@ -65,6 +66,7 @@ from hpcserve.endpoint.dataplane.routing.prompt_tokens import PromptTokenizer
 from hpcserve.endpoint.dataplane.routing.log import RoutingLog
 from hpcserve.endpoint.dataplane.streams import Lease, Stream
 from hpcserve.endpoint.dataplane.workers import supervise
+from hpcserve.core.logs import configure_process_logging
 from hpcserve.endpoint.protocol import PROCESS_TITLE, Migration
 
 # Engines (uvicorn) close idle keep-alive connections after 5 s; closing ours first spares requests the
@@ -72,6 +74,8 @@ from hpcserve.endpoint.protocol import PROCESS_TITLE, Migration
 UPSTREAM_KEEPALIVE_S = 4.0
 URL_CACHE_SIZE = 4096
 MIGRATION_LOG = 1000  # the last migrations kept for GET /migrations
+
+log = logging.getLogger(__name__)
 
 
 class Refusal(Exception):
@@ -124,8 +128,8 @@ class DataPlane:
         if self.prefix and self.settings.tokenizer:
             self.tokenizer = PromptTokenizer.load(self.settings.tokenizer, self.settings.chat_template)
             if self.tokenizer is None:
-                print(f"{PROCESS_TITLE}: no tokenizer.json in {self.settings.tokenizer}: routing by the prompts "
-                      "sent to each replica alone, not by the engines' KV events", flush=True)
+                log.warning("no tokenizer.json in %s: routing by the prompts sent to each replica alone, not by "
+                            "the engines' KV events", self.settings.tokenizer)
             else:
                 self.feeds = Feeds(self.session, self.raw_key, self.pool)
 
@@ -324,8 +328,8 @@ class DataPlane:
         """A stream moved (or could not): kept for GET /migrations (the controller's decisions) and logged."""
         self.migration_log.append(migration)
         where = f"to {migration.to}" if migration.to else f"not moved: {migration.reason}"
-        print(f"{PROCESS_TITLE}: migration ({migration.cause}) of a {migration.kind} stream from {migration.source} "
-              f"after {migration.tokens} token(s): {where}", flush=True)
+        log.info("migration (%s) of a %s stream from %s after %d token(s): %s", migration.cause, migration.kind,
+                 migration.source, migration.tokens, where)
 
 
 def body_json(body: bytes, content_type: str | None) -> dict | None:
@@ -377,9 +381,8 @@ async def serve(settings: Settings, key: str | None, client_sock: socket.socket,
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     if peers is None:
-        print(f"{PROCESS_TITLE}: serving on {settings.host}:{settings.port}, policy {settings.policy}, hold "
-              f"{settings.hold_s:g} s, at most {settings.max_connections} connections; admin socket "
-              f"{settings.admin_socket}", flush=True)
+        log.info("serving on %s:%s, policy %s, hold %g s, at most %d connections; admin socket %s", settings.host,
+                 settings.port, settings.policy, settings.hold_s, settings.max_connections, settings.admin_socket)
     await stop.wait()
     # Stop listening, let requests in flight finish (up to grace_s), then close everything.
     await clients.cleanup()
@@ -387,21 +390,21 @@ async def serve(settings: Settings, key: str | None, client_sock: socket.socket,
     await plane.close()
     (admin_path or settings.admin_socket).unlink(missing_ok=True)
     if peers is None:
-        print(f"{PROCESS_TITLE}: stopped", flush=True)
+        log.info("stopped")
 
 
 def main(argv: list[str] | None = None) -> int:
     settings = parse_args(sys.argv[1:] if argv is None else argv, __doc__.splitlines()[0])
+    configure_process_logging()  # stderr: router.log (control.plane_client.Router)
     try:
         key = read_key_file(settings.key_file) if settings.key_file else None
         client_socks = client_sockets(settings.host, settings.port, settings.workers)
         admin_sock = bind_admin_socket(settings.admin_socket)
     except (OSError, ValueError, HpcserveError) as exc:
-        print(f"{PROCESS_TITLE}: cannot start: {exc}", file=sys.stderr, flush=True)
+        log.error("cannot start: %s", exc)
         return 2
     if key is None:
-        print(f"{PROCESS_TITLE}: no --key-file: the endpoint answers anyone who can reach it", file=sys.stderr,
-              flush=True)
+        log.warning("no --key-file: the endpoint answers anyone who can reach it")
     import setproctitle
 
     # `ps` names it, with what tells two endpoints' routers apart on one login node.

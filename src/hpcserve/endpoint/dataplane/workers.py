@@ -26,13 +26,13 @@ import array
 import asyncio
 import ctypes
 import json
+import logging
 import os
 import signal
 import socket
 import struct
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -64,6 +64,8 @@ COUNTS = struct.Struct("=II")  # text blocks, token ids
 WORKER_CALL_S = 10.0
 WORKER_START_S = 30.0
 REAP_S = 0.5
+
+log = logging.getLogger(__name__)
 
 
 class Peers:
@@ -180,7 +182,7 @@ def supervise(settings, key: str | None, client_socks: list[socket.socket], admi
                 uvloop.run(serve(settings, key, client_socks[index], worker_socks[index], paths[index],
                                  Peers(links[index])))
             except BaseException:  # noqa: BLE001 - a worker never returns into the supervisor's code
-                traceback.print_exc()
+                log.exception("worker %d failed", index)
                 code = 1
             finally:
                 sys.stdout.flush()
@@ -222,9 +224,9 @@ class Supervisor:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         settings = self.settings
-        print(f"{PROCESS_TITLE}: serving on {settings.host}:{settings.port} with {settings.workers} workers "
-              f"(pids {' '.join(map(str, self.alive))}), policy {settings.policy}, hold {settings.hold_s:g} s; "
-              f"admin socket {settings.admin_socket}", flush=True)
+        log.info("serving on %s:%s with %d workers (pids %s), policy %s, hold %g s; admin socket %s", settings.host,
+                 settings.port, settings.workers, " ".join(map(str, self.alive)), settings.policy, settings.hold_s,
+                 settings.admin_socket)
         while not stop.is_set() and self.alive:
             self.reap()
             try:
@@ -237,7 +239,7 @@ class Supervisor:
             await session.close()
         self.stop_workers()
         settings.admin_socket.unlink(missing_ok=True)
-        print(f"{PROCESS_TITLE}: stopped", flush=True)
+        log.info("stopped")
 
     async def workers_listening(self) -> None:
         """Until every live worker answers on its own admin socket (bounded: one that never does is left
@@ -255,8 +257,9 @@ class Supervisor:
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
                 self.alive.pop(pid)
-                print(f"{PROCESS_TITLE}: worker {pid} ended ({describe_status(status)}); "
-                      f"{len(self.alive)} serve on", flush=True)
+                clean = os.waitstatus_to_exitcode(status) == 0  # stopped with the rest, not lost
+                log.log(logging.INFO if clean else logging.WARNING, "worker %d ended (%s); %d serve on", pid,
+                        describe_status(status), len(self.alive))
 
     def stop_workers(self) -> None:
         for pid in self.alive:
