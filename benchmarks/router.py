@@ -39,7 +39,7 @@ from hpcserve.benchmark.loadgen import LoadShape, RequestInput, run_load
 from hpcserve.benchmark.summary import percentile
 from hpcserve.core.net import free_loopback_port as free_port
 from hpcserve.core.statuses import Routing
-from hpcserve.endpoint.router import Router
+from hpcserve.endpoint.control.plane_client import Router
 from hpcserve.engine.client import Endpoint, completion_probe
 from hpcserve.testing.harness import spawn, stop, wait_until
 

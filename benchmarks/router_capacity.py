@@ -26,8 +26,8 @@ from vllm_router_launch import VllmRouter
 
 from hpcserve.core.net import free_loopback_port as free_port
 from hpcserve.core.statuses import Routing
-from hpcserve.endpoint.balance import BackendSpec
-from hpcserve.endpoint.router import Router
+from hpcserve.endpoint.control.plane_client import Router
+from hpcserve.endpoint.protocol import BackendSpec
 from hpcserve.engine.client import health_ok
 from hpcserve.testing.harness import spawn, stop, wait_until
 

@@ -3,7 +3,7 @@
     flock /tmp/hpcserve-heavy.lock .venv/bin/python benchmarks/scale.py --replicas 16,64,256 --json out.json
 
 For each replica count N: a farm of stand-ins (hpcserve.testing.standin --count, one process, a real
-vLLM /metrics page each), and the real endpoint process (endpoint.process.run: the real Controller and
+vLLM /metrics page each), and the real endpoint process (endpoint.control.process.run: the real Controller and
 the real vllm-router process) whose members are those stand-ins (hpcserve.testing.endpoint, through
 the controller's launcher seam). Then, in order:
 
@@ -17,7 +17,7 @@ the controller's launcher seam). Then, in order:
              replacements (self-healing) take to join, the round time meanwhile
 
 The load generator (benchmarks/scale_load.py) is a process of its own. Everything shares this
-machine's cores: see docs/benchmarks/scale.md for how to read the figures.
+machine's cores: see benchmarks/results/scale.md for how to read the figures.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from hpcserve.core.registry import Record
 from hpcserve.core.runstate import RunState
 from hpcserve.core.statuses import RunKind, RunStatus
 from hpcserve.deployment.runs import LocalRun
-from hpcserve.endpoint.router import Router
+from hpcserve.endpoint.control.plane_client import Router
 from hpcserve.testing.endpoint import FARM_ENV
 from hpcserve.testing.harness import ports_to_listen_on, spawn, stop, wait_until
 from hpcserve.testing.members import FarmClient

@@ -1,6 +1,6 @@
-"""Plots and a Markdown table from benchmarks/scale.py's JSON (before and after), for docs/benchmarks/scale.md.
+"""Plots and a Markdown table from benchmarks/scale.py's JSON (before and after), for benchmarks/results/scale.md.
 
-    .venv/bin/python benchmarks/scale_plots.py before.json after.json --out docs/benchmarks
+    .venv/bin/python benchmarks/scale_plots.py before.json after.json --out benchmarks/results
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def plot(runs: dict[str, list[dict]], out: Path) -> list[Path]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", type=Path, help="JSON files; named by their file name")
-    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
     runs = {path.stem: points(path) for path in args.runs}
     print(table(runs))

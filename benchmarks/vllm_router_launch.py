@@ -1,4 +1,4 @@
-"""vllm-router 0.1.17, hpcserve's data plane until 2026-12 (docs/benchmarks/router.md says why it was
+"""vllm-router 0.1.17, hpcserve's data plane until 2026-12 (benchmarks/results/router.md says why it was
 replaced), kept for the benchmarks that compare the two: started through its Python binding with the
 settings hpcserve ran it with, and driven as the endpoint drove it (VllmRouter).
 
@@ -37,7 +37,7 @@ PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTP
 
 # vllm-router's policies that fit a pool of vLLM replicas. None of them reads vLLM's /metrics (they read
 # sglang's /get_load, which vLLM lacks, or the router's own in-flight counts); load from /metrics is the
-# control plane's business (then: endpoint.rotation). Measured costs: docs/benchmarks/router.md.
+# control plane's business (then: endpoint.control.rotation). Measured costs: benchmarks/results/router.md.
 POLICIES = {
     "round_robin": {},  # the cheapest; the default
     "power_of_two": {},  # two random backends, the one with fewer requests in flight through the router;

@@ -24,7 +24,7 @@ OUT=${OUT:-$BENCH_DIR/out}; mkdir -p "$OUT"
 RAW=$BENCH_DIR/raw/$PHASE-$(date +%H%M%S); mkdir -p "$RAW"
 RES=$BENCH_DIR/results.jsonl; touch "$RES"
 SUM=$OUT/summary.txt
-# What every `vllm serve` here shares (the flags of the measurements in docs/benchmarks/gpu.md); BENCH_COMMON overrides it for a CPU dry run.
+# What every `vllm serve` here shares (the flags of the measurements in benchmarks/results/gpu.md); BENCH_COMMON overrides it for a CPU dry run.
 COMMON=${BENCH_COMMON:---served-model-name m --host 127.0.0.1 --dtype bfloat16 --max-model-len 2048 --disable-custom-all-reduce}
 KV_BYTES=${BENCH_KV_BYTES:-38654705664}   # 36 GiB of KV cache per routing replica (~ --gpu-memory-utilization 0.42)
 REPLICA_MEM=${BENCH_REPLICA_MEM:---gpu-memory-utilization 0.42 --kv-cache-memory-bytes $KV_BYTES}
@@ -159,13 +159,13 @@ HPS_SOCK=$BENCH_DIR/hps/admin.sock
 HPS_OK=0
 hps_check() { # can the device's python run hpcserve.endpoint.dataplane (its imports come with vLLM)?
   local err
-  if [ ! -f "$SRC/hpcserve/endpoint/dataplane.py" ]; then log "hps: no $SRC/hpcserve/endpoint/dataplane.py: hps:* cases skipped"; return; fi
+  if [ ! -f "$SRC/hpcserve/endpoint/dataplane.py" ] && [ ! -f "$SRC/hpcserve/endpoint/dataplane/__main__.py" ]; then log "hps: no data plane (hpcserve/endpoint/dataplane) in $SRC: hps:* cases skipped"; return; fi
   if err=$(PYTHONPATH=$SRC $PY -c "import hpcserve.endpoint.dataplane, setproctitle, uvloop" 2>&1); then HPS_OK=1; log "hps: data plane importable from $SRC"
   else log "hps: import failed, hps:* cases skipped: $(echo "$err" | tail -3 | tr '\n' ' ' | cut -c1-400)"; fi
 }
 start_hps() { # POLICY LOG: the data plane on 127.0.0.1:8000, both replicas set over its admin socket
   local i put rl=""   # ROUTING_HPS_LOG=1: its choices in LOG's name .routing.jsonl, where it can write them
-  [ -n "${ROUTING_HPS_LOG:-}" ] && grep -qs -- '--routing-log' "$SRC/hpcserve/endpoint/plane_settings.py" \
+  [ -n "${ROUTING_HPS_LOG:-}" ] && grep -qs -- '--routing-log' "$SRC/hpcserve/endpoint/plane_settings.py" "$SRC/hpcserve/endpoint/dataplane/settings.py" \
     && rl="--routing-log ${2%.log}.routing.jsonl"
   start_bg router "$2" env PYTHONPATH="$SRC" $PY -m hpcserve.endpoint.dataplane --host 127.0.0.1 --port 8000 \
     --admin-socket "$HPS_SOCK" --policy "$1" --hold-s 30 ${BENCH_HPS_ARGS:-} $rl   # e.g. --workers 2

@@ -139,7 +139,7 @@ hps_features() { # what the data plane to measure accepts: --workers, kv_tokens
   echo "$help" | grep -q -- '--workers' && BENCH_HPS_ARGS="--workers $ROUTING_HPS_WORKERS"
   if [ $ROUTING_KV_EVENTS = 1 ] && echo "$help" | grep -q -- '--tokenizer'; then
     BENCH_HPS_ARGS="$BENCH_HPS_ARGS --tokenizer $MODEL --chat-template $TEMPLATE"; fi
-  grep -q 'kv_tokens' "$SRC/hpcserve/endpoint/balance.py" 2>/dev/null && HPS_KV_OK=1
+  grep -rqs 'kv_tokens' "$SRC/hpcserve/endpoint/balance.py" "$SRC/hpcserve/endpoint/protocol.py" "$SRC/hpcserve/endpoint/dataplane/routing/table.py" && HPS_KV_OK=1
   export BENCH_HPS_ARGS
   log "data plane from $SRC: extra args '${BENCH_HPS_ARGS}', kv_tokens $([ $HPS_KV_OK = 1 ] && echo sent || echo 'not accepted: not sent'), replicas' KV events $([ $ROUTING_KV_EVENTS = 1 ] && echo on || echo off)"
 }

@@ -1,4 +1,4 @@
-"""The tables of docs/benchmarks/routing.md from routing_device.sh's results.jsonl (one line per run).
+"""The tables of benchmarks/results/routing.md from routing_device.sh's results.jsonl (one line per run).
 
     python3 benchmarks/gpu/routing_summary.py RESULTS.jsonl [--targets]
 

@@ -2,7 +2,7 @@
 # How fast vLLM starts on the H200 device machine (after ../shared/gpu's install calls): weight loading and
 # loaders, the compile cache's warm start; also the first routing comparison (vllm-router's policies and
 # hpcserve's data plane) and `hpcserve baseline`. One phase per device call (settings and helpers:
-# device_lib.sh); the sequences of calls that ran are in docs/benchmarks/gpu.md (2026-12-02 sections).
+# device_lib.sh); the sequences of calls that ran are in benchmarks/results/gpu.md (2026-12-02 sections).
 # State that must outlive a call (model folder, compile cache, results so far) stays on the machine
 # (under /tmp/gpubench and the disk folder named in /tmp/gpubench/base) while it is warm, i.e. while calls follow
 # each other within 30 s. Each phase returns at most 4 files under $OUT: summary.txt (its log lines and

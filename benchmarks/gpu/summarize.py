@@ -1,4 +1,4 @@
-"""Tables for docs/benchmarks/gpu.md from ttft_h200.sh's runs.jsonl (one line per run, in run order).
+"""Tables for benchmarks/results/gpu.md from ttft_h200.sh's runs.jsonl (one line per run, in run order).
 
 usage: summarize.py RUNS.jsonl
 Prints one row per run, then hpcserve / plain ratios for every adjacent (plain, hpcserve) pair of runs

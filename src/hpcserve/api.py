@@ -35,10 +35,16 @@ from hpcserve.deployment.follow import Event, UpResult, follow
 from hpcserve.deployment.logfiles import log_files
 from hpcserve.deployment.preflight import check_folders, check_scheduler, prepare
 from hpcserve.deployment.runs import CHECK_ONLY_ENV, launch, run_of
-from hpcserve.endpoint.adoption import adopt, adoptable
-from hpcserve.endpoint.member_requests import MEMBER_DOWN_TIMEOUT_S, retire
-from hpcserve.endpoint.run import start_endpoint, stop_deployment
-from hpcserve.endpoint.status import DeploymentStatus, deployment_status
+from hpcserve.endpoint import (
+    MEMBER_DOWN_TIMEOUT_S,
+    DeploymentStatus,
+    adopt,
+    adoptable,
+    deployment_status,
+    retire,
+    start_endpoint,
+    stop_deployment,
+)
 from hpcserve.engine.client import Endpoint
 from hpcserve.monitoring.metrics import Gatherer
 

@@ -6,7 +6,7 @@ no privileges) attacks one deployment with the defaults a user starts from (Slur
 serve.api_key_env): before `up`, it plants folders and links under the names Ray's temp folders had and
 tries the run folder's and the registry's names; then, from the login node and from the replica's compute
 node, it calls every vLLM route of the replica with no key and a wrong one, the router, the data plane's
-admin routes on the router's port (plane_admin.py's table: each must get the router's JSON 401; they are
+admin routes on the router's port (dataplane/admin.py's table: each must get the router's JSON 401; they are
 served on the owner-only admin socket alone), the router's other ports and sockets, the monitor, reads and
 plants files in the run folder and HPCSERVE_HOME, connects to Ray's sockets, GETs / and /metrics on every
 port that listens on the node (issue 31: Ray's Prometheus pages answered there), and reads every process's
@@ -224,10 +224,10 @@ def engine_routes(replica: str, key: str | None) -> list[tuple[str, str]]:
 
 
 def admin_routes() -> list[tuple[str, str]]:
-    """The data plane's admin API as its code declares it (plane_admin.admin_app's route table; a supervisor
-    of several workers, endpoint/workers.py, serves the same routes but /stats): served on the owner-only
+    """The data plane's admin API as its code declares it (dataplane.admin.admin_app's route table; a supervisor
+    of several workers, endpoint/dataplane/workers.py, serves the same routes but /stats): served on the owner-only
     Unix socket alone."""
-    from hpcserve.endpoint.plane_admin import admin_app
+    from hpcserve.endpoint.dataplane.admin import admin_app
 
     routes = sorted({(r.method, r.resource.canonical) for r in admin_app(None).router.routes() if r.method != "HEAD"})
     assert {("GET", "/backends"), ("PUT", "/backends"), ("POST", "/handover")} <= set(routes), routes

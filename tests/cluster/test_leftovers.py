@@ -23,7 +23,7 @@ from test_adopt import decisions_since, replicas_now
 from test_distributed_serving import status_of
 from test_slurm_ray import squeue_empty
 
-from hpcserve.endpoint.plane_server import socket_answers
+from hpcserve.endpoint.dataplane.server import socket_answers
 from hpcserve.testing.harness import wait_until
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]

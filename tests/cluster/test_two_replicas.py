@@ -74,7 +74,7 @@ def test_two_replicas_on_two_nodes_both_answer(replicas, tmp_path):
         assert max(s["engine_rss_mb"] for s in samples) > 100  # the vLLM process on that node
 
 
-HET_RUNS = int(os.environ.get("HPCSERVE_HET_RUNS", "1"))  # repeat on the same deployment (docs/benchmarks/suite-runs.md: 10 of 10)
+HET_RUNS = int(os.environ.get("HPCSERVE_HET_RUNS", "1"))  # repeat on the same deployment (benchmarks/results/HISTORY.md: 10 of 10)
 
 
 class InFlight:
@@ -121,7 +121,7 @@ def test_unequal_replicas_get_traffic_in_proportion_to_their_capacity(replicas, 
     served = {url: requests_served(url) - before[url] for url in (big, small)}
     assert served[big] + served[small] == 201  # bench's one warm-up request, then the 200
     print(f"het run {run}: in flight big {held[big]:.1f}, small {held[small]:.1f}; "
-          f"finished big {served[big]:.0f}, small {served[small]:.0f}")  # the 10-run record in docs/benchmarks/suite-runs.md
+          f"finished big {served[big]:.0f}, small {served[small]:.0f}")  # the 10-run record in benchmarks/results/HISTORY.md
     # Round robin: about 5 and 5. Until 2026-12-03 a replica without a saturation mark counted as room even
     # when full, and CI saw the small one hold 3.9 (its mark comes a metrics poll late). Engine gauges a
     # step late can show a third request for a moment: 2.2, not 2.

@@ -22,6 +22,9 @@ def test_import_linter_contracts_hold(tmp_path):
     done = subprocess.run([str(Path(sys.executable).with_name("lint-imports")), "--config", str(REPO / "pyproject.toml"),
                            "--no-cache"], capture_output=True, text=True, cwd=REPO / "src", timeout=300)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    kept = " ".join(done.stdout.split())
+    assert "The endpoint's rooms are independent: dataplane and control meet in protocol KEPT" in kept, kept[-2000:]
+    assert "endpoint.protocol imports neither room KEPT" in kept, kept[-2000:]
 
 
 def strongly_connected(graph: grimp.ImportGraph) -> list[list[str]]:

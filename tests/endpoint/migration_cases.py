@@ -1,5 +1,5 @@
 """What a client sees when a greedy stream is cut after any of its events and continued with
-endpoint/migration.py and endpoint/continuation.py on a real vLLM engine (tests/endpoint/test_router_vllm.py
+endpoint/dataplane/migration.py and endpoint/dataplane/continuation.py on a real vLLM engine (tests/endpoint/test_router_vllm.py
 runs it on its engines): the same text, token ids, finish, usage and id as the uninterrupted stream, for
 completions and chat (translated back from completions), with several tokens per event (stream_interval),
 and with a stop string that can run across the cut."""
@@ -11,9 +11,9 @@ import json
 import httpx
 from router_fixtures import KEY
 
-from hpcserve.endpoint import continuation as c
-from hpcserve.endpoint import migration as m
-from hpcserve.endpoint import sse
+from hpcserve.endpoint.dataplane import continuation as c
+from hpcserve.endpoint.dataplane import migration as m
+from hpcserve.endpoint.dataplane import sse
 
 MODEL = "tiny"
 HEADERS = {"Authorization": f"Bearer {KEY}"}

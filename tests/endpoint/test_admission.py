@@ -1,4 +1,4 @@
-"""Admission (endpoint/admission.py): while prompts in flight take the replicas' KV caches, new prefills
+"""Admission (endpoint/dataplane/admission.py): while prompts in flight take the replicas' KV caches, new prefills
 wait and a request whose prefix a replica holds goes first. The order (pure), and the waiting itself with
 asyncio. On real engines through the data plane: tests/endpoint/test_router_vllm.py."""
 
@@ -8,9 +8,10 @@ import asyncio
 
 import pytest
 
-from hpcserve.endpoint.admission import AGE_S, Admission, next_admitted
-from hpcserve.endpoint.balance import Affinity, BackendSpec, Pool
-from hpcserve.endpoint.prefix_index import prompt_blocks
+from hpcserve.endpoint.dataplane.admission import AGE_S, Admission, next_admitted
+from hpcserve.endpoint.dataplane.routing.table import Affinity, RoutingTable
+from hpcserve.endpoint.dataplane.routing.prefix_index import prompt_blocks
+from hpcserve.endpoint.protocol import BackendSpec
 
 A, B, C = "http://10.0.0.1:8001", "http://10.0.0.2:8001", "http://10.0.0.3:8001"
 
@@ -34,8 +35,8 @@ def test_a_request_that_waited_long_goes_before_held_prefixes():
     assert next_admitted(waiting, room=600, idle=False, now=now) == 0
 
 
-def pool(kv_tokens: int | None = 1000) -> Pool:
-    p = Pool()
+def pool(kv_tokens: int | None = 1000) -> RoutingTable:
+    p = RoutingTable()
     p.update([BackendSpec(A, kv_tokens=kv_tokens), BackendSpec(B, kv_tokens=kv_tokens)])
     return p
 

@@ -10,7 +10,7 @@ import yaml
 from hpcserve.core.config import DeploymentConfig, config_differences
 from hpcserve.core.files import read_json, write_json, write_secret
 from hpcserve.core.statuses import Adoption, MemberStatus
-from hpcserve.endpoint.decisions import adopt_member, backend_changes
+from hpcserve.endpoint.control.decisions import adopt_member, backend_changes
 
 REPLICAS = Path(__file__).parents[1] / "cluster" / "sandbox-replicas.yaml"
 

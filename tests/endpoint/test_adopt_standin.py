@@ -11,6 +11,7 @@ port and key. The same on real Slurm, Ray and vLLM under load: tests/cluster/tes
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -32,8 +33,8 @@ from hpcserve.core.keys import ApiKey, store_key
 from hpcserve.core.registry import Record, load_record, save_record
 from hpcserve.core.runstate import RunState
 from hpcserve.core.statuses import MemberRole, MemberStatus, RunKind, RunStatus, Stage
-from hpcserve.endpoint.members import Member
-from hpcserve.endpoint.router import Router, stop_router
+from hpcserve.endpoint.control.members import Member
+from hpcserve.endpoint.control.plane_client import Router, stop_router
 from hpcserve.testing.harness import wait_until
 
 NAME = "st-adopt"
@@ -131,6 +132,13 @@ def test_adopt_takes_over_without_restarting_and_status_tells_the_truth_meanwhil
     assert api.status(NAME)[0].status is RunStatus.READY
     again = run_cli("adopt", NAME)
     assert again.returncode == 0 and "nothing to adopt" in again.stdout
+    # The controller's decisions in endpoint.log, with time, level and origin; --level leaves out the INFO ones.
+    shown = run_cli("logs", NAME, "--component", "driver", "--lines", "400").stdout
+    assert re.search(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO hpcserve\.endpoint\.control\.controller\[\d+\]: "
+                     r"adopt: removed backend: ", shown, re.MULTILINE), shown
+    quiet = run_cli("logs", NAME, "--component", "driver", "--level", "warning")
+    assert quiet.returncode == 0 and "adopt: removed backend" not in quiet.stdout, quiet.stdout
+    assert "unknown level 'loud'" in run_cli("logs", NAME, "--level", "loud").stderr
 
     # Now the "login node" is lost: controller and router killed. `up` of the same config adopts again.
     os.kill(state.driver_pid, signal.SIGKILL)

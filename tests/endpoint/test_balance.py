@@ -13,9 +13,12 @@ import pytest
 from hpcserve.core.keys import read_key_file
 from hpcserve.core.net import UNIX_PATH_MAX, unix_socket_path
 from hpcserve.core.statuses import Routing
-from hpcserve.endpoint import wire
-from hpcserve.endpoint.balance import Affinity, Backend, BackendSpec, Pool, choose, least_loaded, within_share
-from hpcserve.endpoint.prefix_index import (
+from hpcserve.endpoint.dataplane import wire
+from hpcserve.endpoint.dataplane.routing import choose
+from hpcserve.endpoint.dataplane.routing.least_loaded import least_loaded
+from hpcserve.endpoint.dataplane.routing.prefix import within_share
+from hpcserve.endpoint.dataplane.routing.table import Affinity, Backend, RoutingTable
+from hpcserve.endpoint.dataplane.routing.prefix_index import (
     BLOCK_CHARS,
     DEFAULT_BLOCKS,
     MAX_BLOCKS_PER_BACKEND,
@@ -24,14 +27,15 @@ from hpcserve.endpoint.prefix_index import (
     prompt_blocks,
     prompt_text,
 )
-from hpcserve.endpoint.rotation import Rotation, next_saturated, saturated_now
-from hpcserve.endpoint.router import backends_from_json, dataplane_argv, in_flight_to
+from hpcserve.endpoint.control.rotation import Rotation, next_saturated, saturated_now
+from hpcserve.endpoint.control.plane_client import dataplane_argv
+from hpcserve.endpoint.protocol import BackendSpec, backends_from_json, in_flight_to
 from hpcserve.engine.capacity import DEFAULT_MAX_NUM_SEQS, max_num_seqs
 from hpcserve.engine.metrics import EngineLoad
 
 
-def pool_of(*specs: BackendSpec) -> Pool:
-    pool = Pool()
+def pool_of(*specs: BackendSpec) -> RoutingTable:
+    pool = RoutingTable()
     pool.update(list(specs))
     return pool
 
@@ -40,7 +44,7 @@ def session(key: bytes) -> Affinity:
     return Affinity(session=key)
 
 
-def send(pool: Pool, policy: Routing, affinity: Affinity | None = None, now: float = 0.0) -> Backend:
+def send(pool: RoutingTable, policy: Routing, affinity: Affinity | None = None, now: float = 0.0) -> Backend:
     """A request that stays in flight."""
     backend = choose(pool, policy, affinity, now)
     backend.in_flight += 1
@@ -352,7 +356,7 @@ def test_admin_json_and_the_command_line(tmp_path):
 
 def test_the_configured_routing_reaches_the_data_plane_and_a_wrong_one_is_named():
     from hpcserve.core.config import ConfigError, parse_config
-    from hpcserve.endpoint.router import dataplane_argv
+    from hpcserve.endpoint.control.plane_client import dataplane_argv
 
     cfg = parse_config({"name": "r", "model": {"path": "builtin:tiny-llama"}, "serve": {"routing": "prefix"}})
     argv = dataplane_argv("127.0.0.1", 8000, None, Path("/tmp/a.sock"), cfg.serve.routing, cfg.serve.hold_s)
@@ -363,7 +367,7 @@ def test_the_configured_routing_reaches_the_data_plane_and_a_wrong_one_is_named(
 
 
 def test_the_routing_log_says_what_each_replica_held_and_where_the_request_went(tmp_path):
-    from hpcserve.endpoint.routing_log import RoutingLog
+    from hpcserve.endpoint.dataplane.routing.log import RoutingLog
 
     pool, log = pool_of(BackendSpec("http://a"), BackendSpec("http://b")), RoutingLog(tmp_path / "routing.jsonl")
     first = log.choose(pool, Routing.PREFIX, prompt_of(7, 0), 0.0)

@@ -15,7 +15,7 @@ from helpers import free_port
 from router_fixtures import KEY, headers, key_file, start_stubs, stop, stub_stats, wait_for
 
 from hpcserve.core.statuses import Routing
-from hpcserve.endpoint.router import Router, RouterError
+from hpcserve.endpoint.control.plane_client import Router, RouterError
 
 HTTP = httpx.Client(timeout=30, trust_env=False)
 FIRST_TOKEN_S = 3.0

@@ -15,8 +15,8 @@ from helpers import free_port
 from router_fixtures import headers, key_file, start_stubs, stop, wait_for
 
 from hpcserve.core.statuses import Routing
-from hpcserve.endpoint.router import Router, is_router
-from hpcserve.endpoint.workers import worker_socket
+from hpcserve.endpoint.control.plane_client import Router, is_router
+from hpcserve.endpoint.dataplane.workers import worker_socket
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ test_handover_decisions.py)."""
 from __future__ import annotations
 
 from hpcserve.core.config import AutoscaleSpec
-from hpcserve.endpoint.decisions import (
+from hpcserve.endpoint.control.decisions import (
     SLOW_PROBES_TO_LEAVE,
     LoadSample,
     ProbeResult,

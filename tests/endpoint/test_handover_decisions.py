@@ -12,7 +12,7 @@ import pytest
 from hpcserve.core.config import DeploymentConfig, Layout
 from hpcserve.core.runstate import Decision
 from hpcserve.core.statuses import MemberRole, MemberStatus
-from hpcserve.endpoint.decisions import (
+from hpcserve.endpoint.control.decisions import (
     END_DRAIN_S,
     HANDOVER_MARGIN_S,
     HANDOVER_STARTUP_FACTOR,
@@ -30,8 +30,8 @@ from hpcserve.endpoint.decisions import (
     queue_estimate,
     served_during,
 )
-from hpcserve.endpoint.handover import Handover
-from hpcserve.endpoint.members import Member
+from hpcserve.endpoint.control.policies.handover import Handover
+from hpcserve.endpoint.control.members import Member
 from hpcserve.slurm.parse import WillRun
 from hpcserve.slurm.states import JobInfo, JobState
 

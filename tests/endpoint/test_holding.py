@@ -28,7 +28,7 @@ from hpcserve.core.registry import forget, save_record
 from hpcserve.core.runstate import RunState
 from hpcserve.core.statuses import RunKind
 from hpcserve.deployment.runs import LocalRun
-from hpcserve.endpoint.holding import describe, holding
+from hpcserve.endpoint.control.holding import describe, holding
 from hpcserve.testing.endpoint import FARM_ENV, READY_AFTER_ENV
 from hpcserve.testing.harness import ports_to_listen_on, spawn, stop, wait_until
 from hpcserve.testing.members import FarmClient

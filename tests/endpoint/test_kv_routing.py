@@ -1,6 +1,6 @@
 """Routing by the engines' KV events, the pure parts: the relay's frames and vLLM's event shapes
-(engine/kv_events.py), the exact index (endpoint/token_index.py), prompts as token ids
-(endpoint/prompt_tokens.py) and how balance.choose weighs exact and approximate knowledge. The relay on a
+(engine/kv_events.py), the exact index (endpoint/dataplane/routing/token_index.py), prompts as token ids
+(endpoint/dataplane/routing/prompt_tokens.py) and how balance.choose weighs exact and approximate knowledge. The relay on a
 real engine and the routing it drives: tests/endpoint/test_router_vllm.py."""
 
 from __future__ import annotations
@@ -11,10 +11,12 @@ import msgspec
 import pytest
 
 from hpcserve.core.statuses import Routing
-from hpcserve.endpoint.balance import Affinity, BackendSpec, Pool, cached_share, choose
-from hpcserve.endpoint.prefix_index import prompt_blocks
-from hpcserve.endpoint.prompt_tokens import PromptTokenizer
-from hpcserve.endpoint.token_index import TokenIndex, token_blocks
+from hpcserve.endpoint.dataplane.routing import choose
+from hpcserve.endpoint.dataplane.routing.table import Affinity, RoutingTable, cached_share
+from hpcserve.endpoint.dataplane.routing.prefix_index import prompt_blocks
+from hpcserve.endpoint.dataplane.routing.prompt_tokens import PromptTokenizer
+from hpcserve.endpoint.dataplane.routing.token_index import TokenIndex, token_blocks
+from hpcserve.endpoint.protocol import BackendSpec
 from hpcserve.engine.kv_events import (
     CLEARED,
     CONFIG_FLAG,
@@ -91,8 +93,8 @@ def test_the_exact_index_follows_stores_removals_and_clears():
     assert index.match(prompt) == 0 and index.blocks() == 0
 
 
-def two_backends(exact_on: str | None = None, complete: bool = True) -> Pool:
-    pool = Pool()
+def two_backends(exact_on: str | None = None, complete: bool = True) -> RoutingTable:
+    pool = RoutingTable()
     pool.update([BackendSpec(A, 8, kv_tokens=1024), BackendSpec(B, 8, kv_tokens=1024)])
     if exact_on:
         index = pool.exact[exact_on] = TokenIndex()
@@ -125,7 +127,7 @@ def test_what_the_engine_holds_wins_over_what_was_sent_there():
 def test_a_prompt_on_its_way_into_a_cache_draws_its_repeats_until_the_engine_says_otherwise():
     """Its engine stores a prompt's blocks only once its prefill ran (seconds under load): meanwhile its
     repeats go where it was sent (PENDING_S at most), and an engine that clears its cache clears them."""
-    from hpcserve.endpoint.balance import PENDING_S
+    from hpcserve.endpoint.dataplane.routing.table import PENDING_S
 
     tokens = list(range(100))
     pool = two_backends(exact_on=B)

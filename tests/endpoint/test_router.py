@@ -32,7 +32,7 @@ from router_fixtures import (
 )
 
 from hpcserve.core.statuses import Routing
-from hpcserve.endpoint.router import Router, RouterError, stop_router
+from hpcserve.endpoint.control.plane_client import Router, RouterError, stop_router
 
 STRICT = ["--max-body-mb", "1", "--header-timeout-s", "1", "--body-timeout-s", "1", "--max-connections", "6"]
 HTTP = httpx.Client(timeout=30, trust_env=False)  # one keep-alive client: a new one per request costs ~50 ms

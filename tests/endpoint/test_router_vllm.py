@@ -21,7 +21,7 @@ from migration_cases import cut_anywhere
 from router_fixtures import KEY, headers, key_file, run_load, stream_times, streamed
 
 from hpcserve.core.statuses import Routing
-from hpcserve.endpoint.router import Router
+from hpcserve.endpoint.control.plane_client import Router
 from hpcserve.engine.args import KEY_GUARD, KV_EVENTS_RELAY
 from hpcserve.engine.client import completion_probe, kv_cache_size
 from hpcserve.engine.kv_events import HEARTBEAT_SEQ, RELAY_PATH, FrameReader, decode_batch
@@ -198,7 +198,7 @@ def test_prefix_routing_follows_what_the_engines_hold(engines):
 
 
 def test_prefills_wait_while_the_caches_are_taken_and_held_prefixes_go_first(engines):
-    """Admission on real engines (endpoint/admission.py): each engine's KV cache size read from its /metrics
+    """Admission on real engines (endpoint/dataplane/admission.py): each engine's KV cache size read from its /metrics
     (as the controller's join does), the data plane allowed ~1.4 prompts of prefill in flight. A long stream
     (A) is under way; another prompt (B) then waits in the data plane; a repeat of A's prompt (C) passes it
     and is answered while B still waits; B goes once A ends (nothing else frees room)."""

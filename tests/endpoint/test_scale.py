@@ -31,9 +31,9 @@ from hpcserve.core.keys import choose_key
 from hpcserve.core.paths import RunPaths
 from hpcserve.core.statuses import RunKind
 from hpcserve.deployment.runs import LocalRun
-from hpcserve.endpoint.decisions import reads_due
-from hpcserve.endpoint.probe import Prober
-from hpcserve.endpoint.router import Router
+from hpcserve.endpoint.control.decisions import reads_due
+from hpcserve.endpoint.control.probe import Prober
+from hpcserve.endpoint.control.plane_client import Router
 from hpcserve.engine.metrics import (
     FINISHED,
     KV_CACHE_USAGE,
@@ -265,16 +265,16 @@ def test_the_endpoint_over_32_standins_loses_10_percent_at_once_without_a_failed
 def test_a_backend_the_pool_did_not_join_itself_leaves_after_failed_probes_too(tmp_path):
     # An adopting controller takes over replicas that joined under its lost predecessor: they serve without
     # a join here, and their probes must count (a node lost after adoption left only when Slurm said so).
-    from hpcserve.endpoint.pool import Pool
-    from hpcserve.endpoint.probe import Kind, Probed, Result
+    from hpcserve.endpoint.control.pool import Pool
+    from hpcserve.endpoint.control.probe import ProbeKind, Probed, Result
 
     router = Router("127.0.0.1", 0, None, tmp_path / "unused.log", admin_socket=tmp_path / "a.sock")
     pool = Pool(router, None, "tiny", 1.0, lambda: ["http://adopted:1"])
     try:
-        failed = Result("http://adopted:1", Kind.PROBE, Probed(False, "ConnectTimeout"), time.monotonic())
+        failed = Result("http://adopted:1", ProbeKind.PROBE, Probed(False, "ConnectTimeout"), time.monotonic())
         pool.absorb([failed, failed])
         assert pool.leaving() == ["http://adopted:1"]
-        pool.absorb([Result("http://gone:2", Kind.PROBE, Probed(False), time.monotonic())])
+        pool.absorb([Result("http://gone:2", ProbeKind.PROBE, Probed(False), time.monotonic())])
         assert "http://gone:2" not in pool.probes  # a backend that left stays forgotten
     finally:
         pool.prober.close()

@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 
 from hpcserve.core.statuses import MemberRole, MemberStatus, RunStatus
-from hpcserve.endpoint.members import Member
-from hpcserve.endpoint.status import (
+from hpcserve.endpoint.control.members import Member
+from hpcserve.endpoint.control.status import (
     acknowledge,
     acknowledged,
     count_replicas,

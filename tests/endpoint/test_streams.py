@@ -1,4 +1,4 @@
-"""endpoint/streams.py through the real data plane process (router.Router), in front of two stand-in engines
+"""endpoint/dataplane/streams.py through the real data plane process (router.Router), in front of two stand-in engines
 that stream as vLLM 0.32 does (test_migration.engine: token ids, the detokenizer's lags, chat chunks), one
 of which fails mid-stream on cue: the connection dropped, an error event, the stream closed without its end.
 The client must get the uninterrupted stream whatever the failure, and the data plane must say what it did.
@@ -18,8 +18,8 @@ from router_fixtures import KEY, headers, key_file
 from test_migration import CHAT_PROMPT, PROMPT, client_body, decode, engine, events_of, summary, uninterrupted
 
 from hpcserve.core.statuses import Routing
-from hpcserve.endpoint import migration as m
-from hpcserve.endpoint.router import Router
+from hpcserve.endpoint.dataplane import migration as m
+from hpcserve.endpoint.control.plane_client import Router
 from hpcserve.testing.harness import wait_until
 
 ROUTE = {kind: route for route, kind in m.ROUTES.items()}

@@ -156,7 +156,7 @@ def test_the_endpoint_follows_the_engines_kv_events(deployment):
     CPU caches blocks of 128 tokens) shows up in its exact index. The controller told it the engine's KV
     cache size (from the engine's /metrics at join): admission and the index's bound work from it."""
     from hpcserve.core.paths import RunPaths
-    from hpcserve.endpoint.holding import read_backends
+    from hpcserve.endpoint.control.holding import read_backends
     from hpcserve.engine.client import kv_cache_size
     from hpcserve.testing.harness import wait_until
 
@@ -212,6 +212,9 @@ def test_logs_lists_every_component(deployment):
     listing = run_cli("logs", "t-local", "--list").stdout
     for part in ("driver.log", "ray-start.log", "engines/replica0-rank0", "health.json", "timeline.json"):
         assert part in listing, listing
+    shown = run_cli("logs", "t-local", "--component", "driver", "--lines", "400").stdout
+    assert " INFO hpcserve.endpoint.control.controller[" in shown and ": serving on 127.0.0.1:" in shown, shown
+    assert " INFO " not in run_cli("logs", "t-local", "--component", "driver", "--level", "ERROR").stdout
 
 
 def test_second_up_with_same_name_is_refused(deployment):

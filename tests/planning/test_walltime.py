@@ -16,7 +16,7 @@ from hpcserve.core.config import parse_config
 from hpcserve.deployment.preflight import check_walltime, walltime_check
 from hpcserve.doctor.checks import Captured, check_time
 from hpcserve.doctor.findings import Severity
-from hpcserve.endpoint.handover import Handover
+from hpcserve.endpoint.control.policies.handover import Handover
 from hpcserve.planning.walltime import WalltimeCheck, handover_lead_s, slurm_time_text
 from hpcserve.slurm.parse import WillRun
 

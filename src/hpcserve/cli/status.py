@@ -16,11 +16,11 @@ from hpcserve import api
 from hpcserve.cli.common import NameArg, console, err, guarded
 from hpcserve.cli.watch import watch as live
 from hpcserve.core.errors import UsageError
+from hpcserve.core.logs import LEVELS, at_least
 from hpcserve.core.statuses import RunStatus
 from hpcserve.core.tables import narrow_table
 from hpcserve.core.timeline import breakdown_line
-from hpcserve.endpoint.holding import describe as describe_holding
-from hpcserve.endpoint.status import acknowledge, lost_line
+from hpcserve.endpoint import acknowledge, describe_holding, lost_line
 
 
 @guarded
@@ -117,8 +117,12 @@ def logs(name: str = NameArg,
          component: Optional[str] = typer.Option(None, help="driver, slurm, ray, engine, health, monitor, timeline"),
          follow: bool = typer.Option(False, "--follow", "-f", help="keep printing new lines"),
          lines: int = typer.Option(40, help="last lines of each file"),
+         level: Optional[str] = typer.Option(None, help="only records at this level or above: "
+                                             "DEBUG, INFO, WARNING, ERROR, CRITICAL"),
          list_only: bool = typer.Option(False, "--list", help="only list the files")):
     """Show a deployment's logs: every node's, in one results folder."""
+    if level is not None and level.upper() not in LEVELS:
+        raise UsageError(f"unknown level '{level}': choose one of {', '.join(LEVELS)}")
     files = api.log_files(name, node, component)
     if not files:
         err.print("no log files match")
@@ -129,12 +133,14 @@ def logs(name: str = NameArg,
             continue
         console.rule(str(f))
         text = f.read_text(errors="replace").splitlines()
+        if level:
+            text = list(at_least(text, level))
         print("\n".join(text[-lines:]))
     if follow:
-        _follow(files)
+        _follow(files, level)
 
 
-def _follow(files: list[Path]) -> None:
+def _follow(files: list[Path], level: str | None = None) -> None:
     offsets = {f: f.stat().st_size for f in files}
     while True:
         for f in files:
@@ -142,7 +148,8 @@ def _follow(files: list[Path]) -> None:
             if size > offsets[f]:
                 with open(f, errors="replace") as handle:
                     handle.seek(offsets[f])
-                    for line in handle.read().splitlines():
+                    new = handle.read().splitlines()
+                    for line in at_least(new, level) if level else new:
                         print(f"{f.name}: {line}")
                 offsets[f] = size
         time.sleep(0.5)

@@ -130,7 +130,7 @@ class EngineSpec(Strict):
                                      "real completion; after that the start fails. `hpcserve up` waits at most "
                                      "this + 600 s (its --timeout)")
     load_format: str = Field("auto", pattern=r"^[a-z0-9_]+$", description="how vLLM reads the weights: auto (the "
-                             "fastest loader installed on the nodes, docs/benchmarks/gpu.md), or a vLLM "
+                             "fastest loader installed on the nodes, benchmarks/results/gpu.md), or a vLLM "
                              "--load-format such as safetensors, runai_streamer, fastsafetensors, instanttensor")
     compile_cache: str = Field("auto", description="vLLM's compile cache, shared by every job of the deployment "
                                "and later ones: auto (one folder per model x vLLM version x layout under "
@@ -192,13 +192,13 @@ class ServeSpec(Strict):
     routing: Routing = Field(Routing.PREFIX, description="how the endpoint picks a replica: prefix (the default: "
                              "a prompt to the replica whose prefix cache holds most of it, unless that one is "
                              "loaded a quarter of its capacity above the lightest; a session header pins a "
-                             "conversation: docs/endpoint.md), least_loaded (fewest in flight per unit of "
+                             "conversation: docs/routing.md), least_loaded (fewest in flight per unit of "
                              "capacity), or round_robin")
     admit_kv_share: float = Field(0.4, ge=0, le=1, description="prefix routing with the engines' KV events: "
                                   "while the prompts in flight take more than this share of the replicas' KV "
                                   "caches, new prefills wait in the endpoint and those whose prefix a replica "
                                   "holds go first (more throughput under prefill-heavy overload, a later median "
-                                  "first token: docs/endpoint.md); 0: never wait")
+                                  "first token: docs/routing.md); 0: never wait")
     router_workers: int | None = Field(None, ge=1, le=64, description="processes serving the endpoint's port "
                                        "(one core each); default: a quarter of this machine's cores, 1 to 8")
     migrations: int = Field(2, ge=0, le=16, description="times a stream in flight may continue on another "
@@ -341,7 +341,7 @@ class DeploymentConfig(Strict):
     def executor_for(self, workers: int) -> str:
         """A replica of one worker needs no worker processes: vLLM's uni executor runs it in the engine
         core's own process (one process fewer to start: 17-22 s against 27-31 s to the first completion
-        for the tiny model on CPU, docs/benchmarks/suite-runs.md; on CPU with
+        for the tiny model on CPU, benchmarks/results/HISTORY.md; on CPU with
         VLLM_ENABLE_V1_MULTIPROCESSING=0, set by engine.replicas)."""
         if self.engine.executor == "auto" and workers == 1:
             return "uni"

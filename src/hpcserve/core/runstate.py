@@ -86,7 +86,7 @@ class Decision:
 @dataclass
 class RunState:
     """state.json, typed. Replicas and members stay dicts of their writers' shape (engine.replicas'
-    Replica.describe, endpoint.members' Member.to_json)."""
+    Replica.describe, endpoint.control.members' Member.to_json)."""
 
     status: RunStatus = RunStatus.SUBMITTED
     stage: str | None = None

@@ -59,7 +59,7 @@ class MemberStatus(StrEnum):
 
 
 class Routing(StrEnum):
-    """How the endpoint's data plane chooses a replica for each request (endpoint/balance.py)."""
+    """How the endpoint's data plane chooses a replica for each request (endpoint/dataplane/routing/)."""
 
     LEAST_LOADED = "least_loaded"  # fewest requests in flight through it, per unit of its capacity
     ROUND_ROBIN = "round_robin"  # each in turn

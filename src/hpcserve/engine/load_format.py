@@ -2,7 +2,7 @@
 
 On a cluster the weights come from a parallel filesystem, and reading them dominates the start of a big
 model. vLLM ships several loaders; which is fastest depends on the storage, so the order below is what
-hpcserve measured (docs/benchmarks/gpu.md), and a loader is only chosen when its package imports here
+hpcserve measured (benchmarks/results/gpu.md), and a loader is only chosen when its package imports here
 (the driver runs in the engines' environment: the same venv or container). vLLM on CPU reads with its
 default loader. A user's own --load-format in engine.args always wins.
 """
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from importlib.util import find_spec
 
 AUTO = "auto"
-# Fastest first, measured (docs/benchmarks/gpu.md, 2026-12-02: 16 GB of bf16 from a cold local disk to one
+# Fastest first, measured (benchmarks/results/gpu.md, 2026-12-02: 16 GB of bf16 from a cold local disk to one
 # H200, vLLM 0.26's own iterators: fastsafetensors 9.87 s, runai_streamer 9.94 s, instanttensor 10.57 s,
 # vLLM's default 11.10 s); each with the package vLLM imports for it.
 PREFERENCE: tuple[tuple[str, str], ...] = (

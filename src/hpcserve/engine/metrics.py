@@ -93,7 +93,7 @@ def engine_load(metrics_text: str) -> EngineLoad:
     """An engine's load from vLLM's Prometheus text: the same figures as parse_engine_metrics gives, read
     from the few sample lines they come from. A controller reads every replica's /metrics five times a
     second, and the whole page (50 KB, mostly histograms) took prometheus_client's parser 20-75 ms here:
-    at 256 replicas that alone is more than the machine has (docs/benchmarks/scale.md). Raises
+    at 256 replicas that alone is more than the machine has (benchmarks/results/scale.md). Raises
     ValueError when one of those lines carries no number."""
     samples = sample_values(metrics_text, (RUNNING, WAITING, *KV_CACHE_USAGE, FINISHED + "_total"))
     kv = next((max(samples[n]) for n in KV_CACHE_USAGE if samples[n]), None)

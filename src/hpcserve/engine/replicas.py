@@ -172,7 +172,7 @@ class ReplicaSet:
         if executor == "uni" and not self.cfg.on_gpu:
             # vLLM on CPU turns uni into mp (a worker process of its own: one more import of torch and
             # vLLM in every start) unless V1 multiprocessing is off; the API server still runs the engine
-            # core in a process of its own (docs/benchmarks/suite-runs.md: the start it saves).
+            # core in a process of its own (benchmarks/results/HISTORY.md: the start it saves).
             env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if not self.cfg.on_gpu and "VLLM_CPU_OMP_THREADS_BIND" not in env:
             binding = cpu_thread_binding(shape.workers_per_node, sorted(os.sched_getaffinity(0)))

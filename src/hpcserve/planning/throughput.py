@@ -16,7 +16,7 @@ import math
 
 # ---------------------------------------------------------------- measurements (H200, vLLM 0.26, Llama-3.1-8B
 # shape, bf16, 512 prompt / 128 output tokens, streamed). Run A: ../shared/gpu/README.md (plain vLLM, bench.py).
-# Run B: docs/benchmarks/gpu.md (hpcserve bench, the same day and machine).
+# Run B: benchmarks/results/gpu.md (hpcserve bench, the same day and machine).
 RUN_A_TP1_AT_32 = 3707.0        # TP=1 on one GPU, 32 requests in flight
 RUN_A_TP2_AT_32 = 4469.0        # TP=2 on two GPUs, 32 in flight
 RUN_B_TP2_AT_32 = 5173.6        # TP=2 over Ray, 32 in flight (hpcserve)

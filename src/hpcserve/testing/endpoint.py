@@ -1,4 +1,4 @@
-"""The real endpoint process (endpoint.process.run: router, Controller, teardown) over stand-in members:
+"""The real endpoint process (endpoint.control.process.run: router, Controller, teardown) over stand-in members:
 
     HPCSERVE_STANDIN_FARM=http://127.0.0.1:A  python -m hpcserve.testing.endpoint RUN_DIR
         members are stand-ins of a farm on this machine (testing.members.StandinRuns)
@@ -18,8 +18,8 @@ from pathlib import Path
 
 from hpcserve.deployment.process import process_main
 from hpcserve.deployment.runs import Launcher, Runs
-from hpcserve.endpoint import process
-from hpcserve.endpoint.controller import JOB_CHECK_EVERY_S
+from hpcserve.endpoint.control import process
+from hpcserve.endpoint.control.controller import JOB_CHECK_EVERY_S
 from hpcserve.testing.members import StandinRuns
 
 FARM_ENV = "HPCSERVE_STANDIN_FARM"

@@ -1,0 +1,359 @@
+"""The endpoint controller's decisions, as pure functions over what it observed (tested without a cluster).
+
+- health:   when a backend leaves the pool (failed probes) and when a joining one may take traffic
+- autoscale: when to add a replica (queue above target for a while) or drain one (idle for a while)
+- walltime: when a job must get its successor, so the endpoint outlives the job's time limit
+- adoption: what a new controller does with each member and backend a lost controller left running
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from hpcserve.core.config import AutoscaleSpec
+from hpcserve.core.statuses import Adoption, MemberRole, MemberStatus
+from hpcserve.planning.walltime import HANDOVER_MARGIN_S, HANDOVER_STARTUP_FACTOR, handover_lead_s
+from hpcserve.engine.metrics import EngineLoad
+
+# A backend whose probes failed this many times in a row leaves the pool. With a probe every second
+# and a one-second timeout, a dead backend is out within about 3 s.
+FAILED_PROBES_TO_LEAVE = 2
+# An engine that took the connection but answered late (a read timeout) is alive and busy, not dead: a
+# replica batching at its limit on a loaded machine answered /health in over a second, and stopping it
+# after two such probes cut the streams it was serving (the heterogeneous-pool test, 2026-12-02). It
+# is skipped for new requests at once (endpoint.control.pool: suspect) and leaves only after this many late
+# probes in a row (20-40 s: one probe at a time, each up to its timeout): a frozen engine still goes.
+SLOW_PROBES_TO_LEAVE = 20
+# Launches (replacements, successors) in one round, the rest in the next ones: when 10 % of 256 replicas
+# are lost at once, or 256 jobs started together reach their time limit together, 25 or 256 sbatch in
+# one round would hold it for seconds and hit slurmctld as a burst; four a round spread them out.
+LAUNCHES_PER_ROUND = 4
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    ok: bool
+    detail: str = ""
+    late: bool = False  # failed by answering too late (connected, no answer in time): busy or frozen
+
+
+def failed_in_a_row(recent: list[ProbeResult], count: int) -> bool:
+    tail = recent[-count:]
+    return len(tail) == count and not any(p.ok for p in tail)
+
+
+def is_suspect(recent: list[ProbeResult]) -> bool:
+    """The last FAILED_PROBES_TO_LEAVE probes all failed, late: skipped for new requests, not yet left."""
+    return failed_in_a_row(recent, FAILED_PROBES_TO_LEAVE) and all(p.late for p in recent[-FAILED_PROBES_TO_LEAVE:])
+
+
+def should_leave(recent: list[ProbeResult]) -> bool:
+    """The last FAILED_PROBES_TO_LEAVE probes all failed and one of them was not late (refused, a
+    connect timeout, /health not 200), or the last SLOW_PROBES_TO_LEAVE all failed (late or not)."""
+    if not failed_in_a_row(recent, FAILED_PROBES_TO_LEAVE):
+        return False
+    return not is_suspect(recent) or failed_in_a_row(recent, SLOW_PROBES_TO_LEAVE)
+
+
+def leave_reason(recent: list[ProbeResult]) -> str:
+    """Why a backend that should_leave leaves, for its decision and its member's note."""
+    count = SLOW_PROBES_TO_LEAVE if is_suspect(recent) else FAILED_PROBES_TO_LEAVE
+    return f"failed {count} probes in a row: {recent[-1].detail}"
+
+
+def probes_due(backends: list[str], last_started: dict[str, float], now: float, every_s: float,
+               step_s: float) -> list[str]:
+    """The backends to probe (/health and /metrics) in this step of the controller's loop (one every
+    step_s). Each is probed every every_s, and a step probes at most its share of the pool (the most
+    overdue first), so the probes of 256 replicas spread evenly over the second instead of 512
+    requests in one burst each round; replicas that joined together drift apart within a second.
+    Pure."""
+    share = max(1, math.ceil(len(backends) * step_s / every_s))
+    due = sorted((last_started.get(url, float("-inf")), url) for url in backends
+                 if now - last_started.get(url, float("-inf")) >= every_s - step_s / 2)
+    return [url for _, url in due[:share]]
+
+
+def reads_due(backends: list[str], loads: dict[str, EngineLoad], paused: set[str], last_read: dict[str, float],
+              now: float, busy_every_s: float, idle_every_s: float) -> list[str]:
+    """The backends whose /metrics the load-aware rotation reads now. One with requests running or
+    waiting, or paused (it must come back as soon as its queue empties), or whose load is not known
+    yet, is read every busy_every_s; an idle one every idle_every_s (the round's probe reads it
+    anyway): at 256 replicas an idle endpoint costs 256 page reads a second, not 1,280 (a page is
+    50 KB). A request that lands on an idle replica is seen by the next probe or by the router's own
+    balancing. Pure."""
+    def every(url: str) -> float:
+        load = loads.get(url)
+        busy = url in paused or load is None or load.in_flight > 0
+        return busy_every_s if busy else idle_every_s
+
+    # A little early is on time: reads are scheduled by a loop that wakes every busy_every_s
+    return [url for url in backends if now - last_read.get(url, float("-inf")) >= every(url) - busy_every_s / 2]
+
+
+# ------------------------------------------------------------------ autoscale
+
+@dataclass(frozen=True)
+class LoadSample:
+    """One scrape of every active backend: requests waiting and running on each (from /metrics)."""
+
+    time: float
+    waiting: dict[str, float]
+    running: dict[str, float]
+    finished: dict[str, float] = field(default_factory=dict)  # each engine's finished-requests counter
+
+    def waiting_per_replica(self) -> float:
+        return sum(self.waiting.values()) / max(1, len(self.waiting))
+
+
+@dataclass(frozen=True)
+class ScaleDecision:
+    action: Literal["up", "down", "hold"]
+    reason: str
+    backend: str | None = None  # for "down": the one to drain
+
+    def as_dict(self) -> dict:
+        return {"action": self.action, "reason": self.reason, "backend": self.backend}
+
+
+def decide_scale(spec: AutoscaleSpec, history: list[LoadSample], replicas: int, starting: int,
+                 idle_since: dict[str, float], now: float) -> ScaleDecision:
+    """replicas: backends taking traffic; starting: replicas submitted but not yet in the pool;
+    idle_since: backend -> when it last had a request waiting or running."""
+    total = replicas + starting
+    if total < spec.min:
+        return ScaleDecision("up", f"{total} replica(s) running or starting, fewer than autoscale.min {spec.min}")
+    if starting:
+        return ScaleDecision("hold", f"{starting} replica(s) still starting")
+    window = [s for s in history if s.time >= now - spec.scale_up_after_s]
+    covered = bool(history) and history[0].time <= now - spec.scale_up_after_s
+    if covered and window and all(s.waiting_per_replica() > spec.target_queue for s in window):
+        queue = min(s.waiting_per_replica() for s in window)
+        if total >= spec.max:
+            return ScaleDecision("hold", f"{queue:.1f} waiting per replica > target {spec.target_queue:g}, "
+                                 f"but already at autoscale.max {spec.max}")
+        return ScaleDecision("up", f"at least {queue:.1f} requests waiting per replica for {spec.scale_up_after_s:g} s "
+                             f"(target {spec.target_queue:g})")
+    idle = sorted((since, backend) for backend, since in idle_since.items() if now - since >= spec.scale_down_after_s)
+    if idle and replicas > spec.min:
+        since, backend = idle[0]
+        return ScaleDecision("down", f"{backend} idle for {now - since:.0f} s (>= {spec.scale_down_after_s:g} s) and "
+                             f"{replicas} replicas > autoscale.min {spec.min}", backend)
+    return ScaleDecision("hold", "load within target")
+
+
+def update_idle_since(idle_since: dict[str, float], sample: LoadSample,
+                      previous: LoadSample | None = None) -> dict[str, float]:
+    """A backend with nothing waiting or running, and no request finished since the previous sample, keeps
+    its idle start; a busy one is reset to now. (Short requests between two samples are seen only by the
+    finished counter: without it, a replica serving one quick request every few seconds looks idle.)"""
+    out = {}
+    for backend in sample.waiting:
+        busy = sample.waiting.get(backend, 0) + sample.running.get(backend, 0) > 0
+        if previous is not None and backend in sample.finished and backend in previous.finished:
+            busy = busy or sample.finished[backend] > previous.finished[backend]
+        out[backend] = sample.time if busy else idle_since.get(backend, sample.time)
+    return out
+
+
+def replace_failed_launch(role: MemberRole) -> bool:
+    """Does self-healing replace a member that failed before it served? Not a scale-up or a successor:
+    the autoscaler and the walltime handover decide again next round whether one is still needed, and a
+    replacement on top would launch two."""
+    return role not in (MemberRole.SCALE_UP, MemberRole.SUCCESSOR)
+
+
+# ------------------------------------------------------------------ walltime
+#
+# A member's successor is launched `lead` before its job's time limit (Slurm's EndTime):
+#
+#     lead = queue + HANDOVER_STARTUP_FACTOR x startup + HANDOVER_MARGIN_S   (at least serve.handover_s;
+#                                                       planning.walltime: the same lead refuses walltimes)
+#
+#     queue    the wait Slurm expects for the successor now (sbatch --test-only), refreshed every minute
+#     startup  job start -> serving, the longest of the last STARTUPS_CONSIDERED members measured while
+#              the endpoint served requests; before any was, the idle ones' x IDLE_TO_LOADED
+#
+# Handovers follow one another (at most one successor starting at a time: a second one would compete for
+# the same free nodes and double the capacity at risk), planned backwards from the last job to end; a
+# member whose own lead has come is handed over even while another handover runs. The old member serves
+# until its successor serves, or until END_DRAIN_S before its job ends: then it is drained so that the
+# requests it runs finish before Slurm's TERM, and the data plane holds new ones (serve.hold_s) until
+# the successor joins, when it was the last replica.
+
+STARTUPS_CONSIDERED = 3
+IDLE_TO_LOADED = 2.0
+END_DRAIN_S = 20.0
+
+
+@dataclass(frozen=True)
+class Startup:
+    """One member's measured start: its job's start to serving (the queue before it is not in it)."""
+
+    member: str
+    seconds: float
+    under_load: bool  # the endpoint served requests while it started
+
+
+@dataclass(frozen=True)
+class Estimate:
+    seconds: float
+    basis: str  # where the figure comes from, for the decision's reason
+
+
+def expected_startup(recent: list[Startup], fallback: Estimate) -> Estimate:
+    """recent: oldest first. The first members start on an idle endpoint, and a successor starts next to
+    a serving replica under load: measured on the sandbox's shared cores, 50 s idle against 212 s under
+    load (issue 19), so idle measurements count only until one under load exists."""
+    loaded = [s for s in recent if s.under_load][-STARTUPS_CONSIDERED:]
+    if loaded:
+        worst = max(s.seconds for s in loaded)
+        return Estimate(worst, "measured under load: " + ", ".join(f"{s.member} {s.seconds:.0f} s" for s in loaded))
+    idle = recent[-STARTUPS_CONSIDERED:]
+    if idle:
+        worst = max(s.seconds for s in idle)
+        return Estimate(IDLE_TO_LOADED * worst, f"none measured under load yet: {IDLE_TO_LOADED:g} x the idle "
+                        + ", ".join(f"{s.member} {s.seconds:.0f} s" for s in idle))
+    return fallback
+
+
+def queue_estimate(expected_start: float | None, now: float, asked_at: str) -> Estimate:
+    """Slurm's expected start of a job submitted now (None: it gave none) as a wait from now."""
+    if expected_start is None:
+        return Estimate(0.0, "Slurm gave no estimate")
+    wait = max(0.0, expected_start - now)
+    return Estimate(wait, f"sbatch --test-only at {asked_at}")
+
+
+@dataclass(frozen=True)
+class Lead:
+    """How long before a job's end its successor is launched, and from what."""
+
+    queue: Estimate
+    startup: Estimate
+    configured_s: float | None = None  # serve.handover_s: a lower bound
+
+    @property
+    def computed_s(self) -> float:
+        return handover_lead_s(self.queue.seconds, self.startup.seconds)
+
+    @property
+    def seconds(self) -> float:
+        return max(self.computed_s, self.configured_s or 0.0)
+
+    @property
+    def expected_s(self) -> float:
+        """Launch to serving, as expected (without the safety factor and margin)."""
+        return self.queue.seconds + self.startup.seconds
+
+    def describe(self) -> str:
+        text = (f"lead {self.seconds:.0f} s = queue {self.queue.seconds:.0f} s ({self.queue.basis}) + "
+                f"{HANDOVER_STARTUP_FACTOR:g} x startup {self.startup.seconds:.0f} s ({self.startup.basis}) + "
+                f"{HANDOVER_MARGIN_S:.0f} s")
+        if self.configured_s and self.configured_s > self.computed_s:
+            text = f"lead {self.seconds:.0f} s (serve.handover_s; computed: {text.removeprefix('lead ')})"
+        return text
+
+
+@dataclass(frozen=True)
+class Ending:
+    """A serving member without a successor yet, whose job has a time limit."""
+
+    member: str
+    ends: float  # epoch seconds (Slurm's EndTime)
+    lead_s: float  # its successor is launched at the latest this long before it ends
+    span_s: float  # launch to serving, as expected (queue and startup, without the lead's margins)
+
+
+def handover_starts(endings: list[Ending]) -> dict[str, float]:
+    """When each member's successor should be launched: its lead before its job ends, or earlier so that
+    its handover is expected to be done when the next one starts (planned backwards from the last job to
+    end). Jobs started together end together: the first is then handed over one span before the other."""
+    starts: dict[str, float] = {}
+    following = math.inf
+    for ending in sorted(endings, key=lambda e: (e.ends, e.member), reverse=True):
+        starts[ending.member] = min(ending.ends - ending.lead_s, following - ending.span_s)
+        following = starts[ending.member]
+    return starts
+
+
+@dataclass(frozen=True)
+class HandoverCall:
+    member: str
+    left_s: float  # the time its job really has left now
+    reason: str
+
+
+def handovers_due(endings: list[Ending], in_handover: list[str], now: float) -> list[HandoverCall]:
+    """The members whose successors are launched now. in_handover: members whose successor is starting."""
+    starts = handover_starts(endings)
+    busy = list(in_handover)
+    calls = []
+    for ending in sorted(endings, key=lambda e: (e.ends, e.member)):
+        if now < starts[ending.member]:
+            continue
+        left = ending.ends - now
+        overdue = left <= ending.lead_s
+        if busy and not overdue:
+            continue  # its turn comes when the running handover is done
+        if busy:
+            reason = f"its lead has come although {', '.join(busy)} is still in handover"
+        elif overdue:
+            reason = f"its job ends in {left:.0f} s (at most its lead)"
+        else:
+            reason = (f"its job ends in {left:.0f} s; handed over early, so that the handovers after it "
+                      "follow one at a time")
+        calls.append(HandoverCall(ending.member, left, reason))
+        busy.append(ending.member)
+    return calls
+
+
+def projected_join(pending: bool, start: float | None, startup_s: float, now: float) -> float | None:
+    """When a starting successor should serve. pending: start is Slurm's expected start (None: no estimate
+    yet); running: start is its job's start."""
+    if start is None:
+        return None
+    if pending:
+        return max(now, start) + startup_s
+    return max(now, start + startup_s)
+
+
+def end_drain_due(ends: float, now: float) -> bool:
+    """The old member stops taking requests this long before its job ends (Slurm's TERM cuts what runs)."""
+    return ends - now <= END_DRAIN_S
+
+
+def served_during(history: list[LoadSample], since: float) -> bool:
+    """Did the endpoint serve requests since `since` (a member's start under load)?"""
+    return any(sum(s.running.values()) + sum(s.waiting.values()) > 0 for s in history if s.time >= since)
+
+
+# ------------------------------------------------------------------ adoption
+
+def adopt_member(status: MemberStatus, gone: str | None, probe_error: str | None) -> tuple[Adoption, str]:
+    """What a new controller does with a member as its lost predecessor recorded it. gone: why its job or
+    driver can no longer serve (checked now), None while it runs; probe_error: why a real completion to
+    one of its replicas failed (asked only of serving members whose job runs), None when all answered.
+    No running replica is restarted: only one that fails a real completion is replaced."""
+    if status in (MemberStatus.GONE, MemberStatus.FAILED):
+        return Adoption.KEEP, ""
+    if status is MemberStatus.LAUNCHING:  # its start watch tells whether it joins or failed meanwhile
+        return Adoption.WATCH, "still starting: watched as before"
+    if gone:
+        if status is MemberStatus.SERVING:
+            return Adoption.LOST, f"lost while no controller ran: {gone}"
+        return Adoption.FINISH, f"was {status}; {gone}"
+    if status is MemberStatus.SERVING:
+        if probe_error:
+            return Adoption.DROP, f"its job runs, but a real completion failed: {probe_error}"
+        return Adoption.ADOPT, "its job runs and every replica answered a real completion"
+    return Adoption.FINISH, f"was {status}: finished now"
+
+
+def backend_changes(in_router: list[str], wanted: list[str]) -> tuple[list[str], list[str]]:
+    """(to remove, to add): while adopting, the controller owns the router's backend list, so a backend
+    it did not put there (or no longer wants) leaves, and every one it wants is there."""
+    have, want = {u.rstrip("/") for u in in_router}, {u.rstrip("/") for u in wanted}
+    return sorted(have - want), sorted(want - have)

@@ -1,0 +1,55 @@
+"""What a policy of the controller (self-healing, autoscale, handover) may see and do: the controller
+as this Protocol, so that policies depend on an interface, not on the controller's module."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+from hpcserve.core.config import Layout
+from hpcserve.core.runstate import Decision
+from hpcserve.core.statuses import MemberRole
+from hpcserve.endpoint.control.members import Member
+from hpcserve.slurm.parse import WillRun
+from hpcserve.slurm.states import JobInfo
+
+if TYPE_CHECKING:  # the pool brings the prober's async HTTP stack: not for every CLI call that reads a policy
+    from hpcserve.endpoint.control.pool import Pool
+
+
+class ControlPlane(Protocol):
+    members: list[Member]
+    decisions: list[Decision]
+    failed_launches: int
+    pool: Pool
+
+    def launch(self, role: MemberRole, layout: Layout, replaces: str | None = None, group: int = 0) -> Member: ...
+
+    def drain(self, url: str, why: str) -> None: ...
+
+    def drain_all(self, backends: list[tuple[str, str]]) -> None: ...
+
+    def stop_member(self, member: Member, why: str) -> None: ...
+
+    def decide(self, action: str, reason: str) -> None: ...
+
+    def member(self, name: str) -> Member: ...
+
+    def base_layout(self) -> Layout: ...
+
+    def serving_backends(self) -> list[str]: ...
+
+    def job(self, member: Member) -> JobInfo | None:
+        """Its Slurm job as Slurm reports it now (None: no job, or Slurm does not know it)."""
+
+    def expected_start(self, layout: Layout, group: int) -> WillRun | None:
+        """When Slurm would start a member of this shape submitted now (nothing is queued)."""
+
+
+class Policy(Protocol):
+    name: str
+
+    def step(self, ctl: ControlPlane) -> None:
+        """One round's decision, carried out through ctl."""
+
+    def forget(self, url: str) -> None:
+        """A backend left the pool."""

@@ -1,0 +1,421 @@
+"""The endpoint's data plane: one OpenAI URL in front of the replicas, in a process of its own (or
+several worker processes on one port).
+
+    python -m hpcserve.endpoint.dataplane --host H --port P --key-file F --admin-socket S
+                                          [--policy prefix|least_loaded|round_robin] [--hold-s 60] [--workers N]
+
+Clients (H:P). Every route goes to a replica that routing.choose picks (completions, chat, models,
+embeddings, tokenize, ...): the body passed on as bytes (the prefix policy also parses the prompt to
+route it: prefix_index); a response with a length up to --max-buffer-mb passed whole, any other (SSE
+streams, larger bodies) chunk by chunk as it arrives; status and headers kept. Each request must carry
+`Authorization: Bearer KEY` (core.keys.KeyCheck: hashed, constant time, no cache of tokens); a missing
+or wrong key gets 401 with an OpenAI-style JSON body that says where the key is (wire.UNAUTHORIZED).
+GET /health alone is open and answers 200 from here: it says that this process lives and nothing else
+(no replica, no count), reaches no replica and changes nothing.
+Admin (the Unix socket S: mode 0600 in an owner-only folder, and the peer's uid checked): only the user
+who started the endpoint can change what it serves. Never on the client port (404 there). Its routes:
+endpoint/dataplane/admin.py.
+Failures. A connection refused before the request was sent goes to another backend (at most --tries
+attempts) and keeps that backend out for --failed-s; one dropped after it was sent (the engine may have
+it) is sent again at most --resends times. Once the client got a byte, a stream whose replica fails (or is
+drained) continues on another replica, at most --migrations times (endpoint/dataplane/streams.py); nothing else is
+retried then. An engine's 5xx is passed on. A client that leaves closes the engine's connection at once.
+While no backend can take a request (the pool empty during a handover, the one replica being replaced),
+requests are held up to --hold-s and sent on as soon as one is added; then 503 JSON with Retry-After.
+Prefills wait while prompts in flight take the replicas' KV caches (endpoint/dataplane/admission.py).
+Bounds: body size (413), header and body read times against slow clients, open connections (503 at
+accept), the wait for an engine's first byte and its silences between chunks (504 / a cut stream), and a
+malformed request gets a JSON 4xx while the server serves on.
+With --workers N > 1 (serve.router_workers), N processes accept on the port (SO_REUSEPORT) and tell each
+other what they route where; a supervisor serves the admin socket for all of them (endpoint/dataplane/workers.py).
+`ps` shows it as "hpcserve-router --port P ..."; control.plane_client.Router starts, finds and stops it by PID.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import socket
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+from yarl import URL
+
+from hpcserve.core.errors import HpcserveError
+from hpcserve.core.keys import KeyCheck, read_key_file
+from hpcserve.core.statuses import Routing
+from hpcserve.endpoint.dataplane import wire
+from hpcserve.endpoint.dataplane.admission import Admission
+from hpcserve.endpoint.dataplane.routing import choose
+from hpcserve.endpoint.dataplane.routing.table import Affinity, Backend, RoutingTable
+from hpcserve.endpoint.dataplane.kv_feed import Feeds
+from hpcserve.endpoint.dataplane.migration import Request as Migratable, prepare
+from hpcserve.endpoint.dataplane.admin import admin_app
+from hpcserve.endpoint.dataplane.metrics import CLIENT_CLOSED, Stats
+from hpcserve.endpoint.dataplane.server import (ClientServer, RelayedStream, answered_status, bind_admin_socket,
+                                            client_sockets)
+from hpcserve.endpoint.dataplane.settings import Settings, parse_args
+from hpcserve.endpoint.dataplane.routing.prompt_tokens import PromptTokenizer
+from hpcserve.endpoint.dataplane.routing.log import RoutingLog
+from hpcserve.endpoint.dataplane.streams import Lease, Stream
+from hpcserve.endpoint.dataplane.workers import supervise
+from hpcserve.core.logs import configure_process_logging
+from hpcserve.endpoint.protocol import PROCESS_TITLE, Migration
+
+# Engines (uvicorn) close idle keep-alive connections after 5 s; closing ours first spares requests the
+# race of a connection closed under them.
+UPSTREAM_KEEPALIVE_S = 4.0
+URL_CACHE_SIZE = 4096
+MIGRATION_LOG = 1000  # the last migrations kept for GET /migrations
+
+log = logging.getLogger(__name__)
+
+
+class Refusal(Exception):
+    """An answer of the data plane's own (JSON), raised where the request cannot go on."""
+
+    def __init__(self, status: int, body: bytes, close: bool = False, retry_after: bool = False):
+        super().__init__(status)
+        self.status, self.body, self.close, self.retry_after = status, body, close, retry_after
+
+    def response(self) -> web.Response:
+        headers = {"Retry-After": str(wire.RETRY_AFTER_S)} if self.retry_after else None
+        response = web.Response(status=self.status, body=self.body, content_type="application/json", headers=headers)
+        if self.close:  # the rest of the request (a body too large, too slow) is never read
+            response.force_close()
+        return response
+
+
+class AttemptFailed(Exception):
+    def __init__(self, failure: wire.Failure, detail: str):
+        super().__init__(detail)
+        self.failure, self.detail = failure, detail
+
+
+class DataPlane:
+    def __init__(self, settings: Settings, key: str | None):
+        self.settings = settings
+        self.key, self.raw_key = KeyCheck(key), key
+        self.pool = RoutingTable()
+        self.tokenizer: PromptTokenizer | None = None  # with the engines' KV events (kv_feed): exact routing
+        self.feeds: Feeds | None = None
+        self.stats = Stats()
+        self.changed = asyncio.Event()  # replaced after every membership change: held requests wake
+        self.session: aiohttp.ClientSession | None = None
+        self.prefix = settings.policy is Routing.PREFIX
+        self.urls: dict[tuple[str, str], URL] = {}  # (backend, path) -> parsed URL: a few paths are most requests
+        self.migration_log: deque[Migration] = deque(maxlen=MIGRATION_LOG)
+        self.streams: set = set()  # streams.Stream open now: a handover moves them at once
+        self.admission = Admission(self.pool, settings.admit_kv_share if self.prefix else 0.0, settings.workers)
+        self.choose = RoutingLog(settings.routing_log).choose if settings.routing_log and self.prefix else choose
+
+    async def open(self) -> None:
+        connector = aiohttp.TCPConnector(limit=self.settings.max_connections, limit_per_host=0,
+                                         keepalive_timeout=UPSTREAM_KEEPALIVE_S, ttl_dns_cache=300)
+        # Reads are bounded here, per phase (first byte, then between chunks), not by aiohttp's one sock_read.
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.settings.connect_timeout_s)
+        # No proxies from the environment (the engines are reached directly), no cookies, bodies as bytes.
+        self.session = aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=False,
+                                             auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
+                                             skip_auto_headers=("User-Agent", "Accept-Encoding", "Accept"))
+        if self.prefix and self.settings.tokenizer:
+            self.tokenizer = PromptTokenizer.load(self.settings.tokenizer, self.settings.chat_template)
+            if self.tokenizer is None:
+                log.warning("no tokenizer.json in %s: routing by the prompts sent to each replica alone, not by "
+                            "the engines' KV events", self.settings.tokenizer)
+            else:
+                self.feeds = Feeds(self.session, self.raw_key, self.pool)
+
+    async def close(self) -> None:
+        if self.feeds is not None:
+            await self.feeds.close()
+        if self.session is not None:
+            await self.session.close()
+
+    # -------------------------------------------------------------- clients
+
+    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        started = time.monotonic()
+        status = CLIENT_CLOSED
+        try:
+            response = await self.answer(request)
+            status = response.status
+            return response
+        except Refusal as refusal:
+            status = refusal.status
+            return refusal.response()
+        finally:
+            if status == CLIENT_CLOSED:  # cancelled: the client left, perhaps with the whole answer
+                status = answered_status(request) or status
+            self.stats.done(status, time.monotonic() - started)
+
+    async def answer(self, request: web.BaseRequest) -> web.StreamResponse:
+        if request.raw_path == "/health" and request.method == "GET":
+            return web.Response()
+        if not self.key.allows(request.headers.get("Authorization")):
+            raise Refusal(401, wire.UNAUTHORIZED)
+        target = request.raw_path
+        if not target.startswith("/"):  # an absolute URL or '*': this is no forward proxy
+            raise Refusal(400, wire.bad_request(f"the request target must be a path, not {target[:100]!r}"), True)
+        body = await self.read_body(request)
+        headers = wire.forwarded_headers(request.headers.items())
+        migrates = self.settings.migrations > 0 and request.method == "POST"
+        data = body_json(body, request.headers.get("Content-Type")) if body and (self.prefix or migrates) else None
+        affinity = None
+        if self.prefix:  # prompts are tokenized only while some engine's KV events are followed
+            affinity = wire.request_affinity(request.headers, data, self.tokenizer if self.pool.exact else None)
+        migratable = None
+        if migrates and data is not None:  # a stream that may continue elsewhere asks for its token ids
+            prepared = prepare(target, body, data)
+            body, migratable = prepared.body, prepared.request
+        async with self.admission.turn(affinity):
+            return await self.forward(request, target, body, headers, affinity, migratable)
+
+    async def read_body(self, request: web.BaseRequest) -> bytes | None:
+        if not request.body_exists:
+            return None
+        limit = self.settings.max_body_bytes
+        if (request.content_length or 0) > limit:
+            raise Refusal(413, wire.too_large(limit), close=True)
+        if request.content.is_eof():  # all of it came with the headers (most requests): no timer needed
+            return await request.read()
+        if request.headers.get("Expect", "").lower() == "100-continue":  # only now: refusals come first
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        try:
+            async with asyncio.timeout(self.settings.body_timeout_s):
+                return await request.read()
+        except TimeoutError:
+            raise Refusal(408, wire.body_timeout(self.settings.body_timeout_s), close=True) from None
+        except web.HTTPRequestEntityTooLarge:  # chunked, without a length up front
+            raise Refusal(413, wire.too_large(limit), close=True) from None
+
+    async def forward(self, request: web.BaseRequest, target: str, body: bytes | None, headers: dict[str, str],
+                      affinity: Affinity | None, migratable: Migratable | None = None) -> web.StreamResponse:
+        tried: tuple[Backend, ...] = ()
+        hold_until = None
+        resent = 0
+        while True:
+            backend = self.choose(self.pool, self.settings.policy, affinity, time.monotonic(), tried)
+            if backend is None:
+                hold_until = hold_until or time.monotonic() + self.settings.hold_s  # one hold per request
+                backend = await self.hold(affinity, hold_until)
+            tried += (backend,)
+            backend.in_flight += 1
+            backend.requests += 1
+            lease = Lease(backend)  # a stream that moves takes it along
+            try:
+                return await self.relay(request, lease, target, body, headers, migratable)
+            except AttemptFailed as failed:
+                decision = wire.after_failure(failed.failure, len(tried), self.settings.tries, resent,
+                                              self.settings.resends)
+                if decision.mark_failed:
+                    backend.failed_until = time.monotonic() + self.settings.failed_s
+                    backend.failures += 1
+                if not decision.retry:
+                    raise self.gave_up(failed) from None
+                self.stats.retries += 1
+                if failed.failure is wire.Failure.DISCONNECT:
+                    resent += 1
+                    self.stats.resends += 1
+            finally:
+                self.pool.release(lease.backend)
+
+    def gave_up(self, failed: AttemptFailed) -> Refusal:
+        if failed.failure is wire.Failure.TIMEOUT:
+            return Refusal(504, wire.replica_timeout(self.settings.first_byte_timeout_s))
+        return Refusal(502, wire.bad_gateway(failed.detail[:200]), retry_after=True)
+
+    async def hold(self, affinity: Affinity | None, until: float) -> Backend:
+        """Wait until a backend can take the request (added, or a failed one's pause over), or 503."""
+        self.stats.holds += 1
+        self.stats.held += 1
+        try:
+            while True:
+                now = time.monotonic()
+                wait = wire.hold_wait(now, until, self.pool.next_recovery(now))
+                if wait is None:
+                    self.stats.hold_timeouts += 1
+                    raise Refusal(503, wire.no_backend(self.settings.hold_s), retry_after=True)
+                changed = self.changed
+                try:
+                    async with asyncio.timeout(wait):
+                        await changed.wait()
+                except TimeoutError:
+                    pass
+                backend = self.choose(self.pool, self.settings.policy, affinity, time.monotonic())
+                if backend is not None:
+                    return backend
+        finally:
+            self.stats.held -= 1
+
+    async def relay(self, request: web.BaseRequest, lease: Lease, target: str, body: bytes | None,
+                    headers: dict[str, str], migratable: Migratable | None = None) -> web.StreamResponse:
+        """One attempt. AttemptFailed while nothing has gone to the client; after that a stream that may
+        migrate continues elsewhere (streams.Stream), and an error otherwise ends the client's connection
+        (it sees the response cut: an engine that died mid-stream). Whatever ends the
+        attempt early, the client leaving included (a cancellation), closes the engine's connection:
+        vLLM aborts a request whose connection closed, and keeps generating one whose did not."""
+        backend, upstream = lease.backend, None
+        try:  # nothing has reached the client yet: a failure here may be tried on another backend
+            async with asyncio.timeout(self.settings.first_byte_timeout_s):
+                upstream = await self.session.request(request.method, self.upstream_url(backend.url, target),
+                                                      data=body, headers=headers, allow_redirects=False)
+                whole = self.read_whole(request, upstream)
+                # A stream commits to this backend only once its first chunk is here: vLLM answers 200 at
+                # once for a streamed request, and an engine that dies before its first token is tried elsewhere.
+                first = await (upstream.read() if whole else upstream.content.readany())
+        except BaseException as exc:
+            if upstream is not None:
+                upstream.close()
+            if isinstance(exc, Exception):  # classified; a cancellation (the client left) goes on up
+                raise attempt_failed(exc) from exc
+            raise
+        out_headers = CIMultiDict(wire.returned_headers(upstream.headers.items()))
+        if whole:
+            upstream.release()
+            return web.Response(status=upstream.status, body=first, headers=out_headers)
+        if migratable is not None and upstream.status == 200:
+            response = request[RelayedStream.KEY] = RelayedStream(status=upstream.status, headers=out_headers)
+            await response.prepare(request)
+            await Stream(self, response, lease, migratable, headers).run(upstream, first)
+            await response.write_eof()
+            return response
+        done = False
+        try:
+            response = request[RelayedStream.KEY] = RelayedStream(status=upstream.status, headers=out_headers)
+            await response.prepare(request)
+            chunk, silence = first, self.settings.read_timeout_s
+            while chunk:
+                await response.write(chunk)
+                async with asyncio.timeout(silence):
+                    chunk = await upstream.content.readany()
+            done = True
+        except (aiohttp.ClientError, TimeoutError) as exc:  # the stream broke after it began
+            self.stats.broken_streams += 1
+            raise ConnectionError(f"the stream from {backend.url} broke: {type(exc).__name__}") from exc
+        finally:
+            if done:
+                upstream.release()
+            else:  # closing the connection tells the engine to abort the request (client gone, or broken)
+                upstream.close()
+        await response.write_eof()
+        return response
+
+    def read_whole(self, request: web.BaseRequest, upstream: aiohttp.ClientResponse) -> bool:
+        """Whether the answer is read whole (a length within max_buffer_bytes, or no body): it can still go
+        to another backend if the connection drops."""
+        if request.method == "HEAD" or upstream.status in (204, 304):
+            return True
+        length = upstream.content_length
+        return length is not None and length <= self.settings.max_buffer_bytes
+
+    def upstream_url(self, backend: str, target: str) -> URL:
+        url = self.urls.get((backend, target))
+        if url is None:
+            if len(self.urls) >= URL_CACHE_SIZE:  # query strings make targets unbounded: start over
+                self.urls.clear()
+            url = self.urls[(backend, target)] = URL(backend + target, encoded=True)
+        return url
+
+    def log_migration(self, migration: Migration) -> None:
+        """A stream moved (or could not): kept for GET /migrations (the controller's decisions) and logged."""
+        self.migration_log.append(migration)
+        where = f"to {migration.to}" if migration.to else f"not moved: {migration.reason}"
+        log.info("migration (%s) of a %s stream from %s after %d token(s): %s", migration.cause, migration.kind,
+                 migration.source, migration.tokens, where)
+
+
+def body_json(body: bytes, content_type: str | None) -> dict | None:
+    """The body's JSON object (None: it has none, for the engine to refuse or read its own way). A body that
+    vLLM 0.32 would read as JSON but cannot decode (not UTF-8, or nested past Python's recursion limit) is
+    refused here: vLLM answers it a 400 outside OpenAI's error shape ({"detail": ...}), and parsing it here
+    raised RecursionError, a 500. Any other body is the engine's to judge, as before."""
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, RecursionError) as exc:
+        if not wire.json_content(content_type):  # the engine does not read it as JSON (a file upload): its answer
+            return None
+        reason = "is not valid UTF-8" if isinstance(exc, UnicodeDecodeError) else "nests its JSON too deeply"
+        raise Refusal(400, wire.invalid_body(f"the request body {reason}")) from None
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def attempt_failed(exc: BaseException) -> AttemptFailed:
+    """What kind of failure an aiohttp client error is (wire.after_failure decides what follows)."""
+    detail = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, (aiohttp.ConnectionTimeoutError, aiohttp.ClientConnectorError)):
+        return AttemptFailed(wire.Failure.CONNECT, detail)
+    if isinstance(exc, (aiohttp.SocketTimeoutError, TimeoutError)):
+        return AttemptFailed(wire.Failure.TIMEOUT, detail)
+    if isinstance(exc, aiohttp.ClientError):  # disconnected, reset, a payload cut, a malformed answer
+        return AttemptFailed(wire.Failure.DISCONNECT, detail)
+    raise exc
+
+
+async def serve(settings: Settings, key: str | None, client_sock: socket.socket, admin_sock: socket.socket,
+                admin_path: Path | None = None, peers=None) -> None:
+    """One process serving the client port (alone, or as one of several workers: then its admin socket is
+    its supervisor's line to it, and peers carry routing knowledge between the workers)."""
+    plane = DataPlane(settings, key)
+    await plane.open()
+    clients = web.ServerRunner(ClientServer(plane), handle_signals=False, shutdown_timeout=settings.grace_s)
+    admin = web.AppRunner(admin_app(plane), handle_signals=False, access_log=None, shutdown_timeout=1.0)
+    await clients.setup()
+    await admin.setup()
+    await web.SockSite(clients, client_sock, backlog=1024).start()
+    await web.SockSite(admin, admin_sock).start()
+    if peers is not None:  # other workers share this port: each choice hears theirs and tells them
+        plane.choose = peers.choosing(plane.choose)
+        peers.listen(asyncio.get_running_loop(), plane.pool)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if peers is None:
+        log.info("serving on %s:%s, policy %s, hold %g s, at most %d connections; admin socket %s", settings.host,
+                 settings.port, settings.policy, settings.hold_s, settings.max_connections, settings.admin_socket)
+    await stop.wait()
+    # Stop listening, let requests in flight finish (up to grace_s), then close everything.
+    await clients.cleanup()
+    await admin.cleanup()
+    await plane.close()
+    (admin_path or settings.admin_socket).unlink(missing_ok=True)
+    if peers is None:
+        log.info("stopped")
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings = parse_args(sys.argv[1:] if argv is None else argv, __doc__.splitlines()[0])
+    configure_process_logging()  # stderr: router.log (control.plane_client.Router)
+    try:
+        key = read_key_file(settings.key_file) if settings.key_file else None
+        client_socks = client_sockets(settings.host, settings.port, settings.workers)
+        admin_sock = bind_admin_socket(settings.admin_socket)
+    except (OSError, ValueError, HpcserveError) as exc:
+        log.error("cannot start: %s", exc)
+        return 2
+    if key is None:
+        log.warning("no --key-file: the endpoint answers anyone who can reach it")
+    import setproctitle
+
+    # `ps` names it, with what tells two endpoints' routers apart on one login node.
+    setproctitle.setproctitle(f"{PROCESS_TITLE} --port {settings.port} --admin-socket {settings.admin_socket}")
+    if settings.workers > 1:
+        return supervise(settings, key, client_socks, admin_sock, serve)
+    import uvloop
+
+    uvloop.run(serve(settings, key, client_socks[0], admin_sock))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,262 @@
+"""A streamed answer, passed on to its client event by event, and continued on another replica when its
+replica fails mid-stream or is handed over (issue 29, "migrate").
+
+    stream = Stream(plane, response, backend, request, headers)
+    await stream.run(upstream, first_chunk)      # ConnectionError: cut (not migratable, or no replica)
+
+Only whole SSE events reach the client (migration.EventSplitter), so a replica that dies mid-event leaves
+the client no half event. What caused a migration:
+    broken     the connection to the engine dropped, or it fell silent for read_timeout_s (the replica is
+               marked failed, as a refused connection is)
+    error      the engine sent an error event or finished the choice with "abort" (it lives: not marked)
+    handover   the controller drains the replica (its job ends, a scale-down, `down --member`): its open
+               streams move now instead of being waited out, each at once (Stream.hand_over_now: an
+               engine that has stalled, or is busy prefilling others, may send no next chunk for
+               seconds or ever); one that cannot move finishes where it is
+The continuation goes to the replica routing.choose picks among those not yet tried for this request, at
+most settings.migrations times; every migration, and every stream that could not be migrated, is counted
+(/metrics) and listed on the admin socket (GET /migrations: the controller writes them into its decisions).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import time
+from dataclasses import dataclass
+
+import aiohttp
+
+from hpcserve.endpoint.dataplane.routing import choose
+from hpcserve.endpoint.dataplane.routing.table import Backend
+from hpcserve.endpoint.dataplane.continuation import Continuation, detokenize_body, ending, start
+from hpcserve.endpoint.dataplane.migration import CannotMigrate, Record, Request, why_not
+from hpcserve.endpoint.dataplane.sse import (
+    DONE,
+    DONE_MARK,
+    EventSplitter,
+    has_failure,
+    is_failure,
+    split_events,
+    strip_ids,
+)
+from hpcserve.endpoint.protocol import Migration
+
+DETOKENIZE_TIMEOUT_S = 10.0
+
+
+class StreamFailed(Exception):
+    def __init__(self, cause: str, detail: str = "", event: bytes = b""):
+        super().__init__(f"{cause}: {detail}" if detail else cause)
+        self.cause, self.detail, self.event = cause, detail, event  # event: an engine's error event
+
+
+@dataclass
+class Lease:
+    """The backend a request counts against (in_flight) now: the stream's current replica. A drained
+    replica is released the moment its streams move, so its drain does not wait for them."""
+
+    backend: Backend
+
+
+class Stream:
+    """One streamed answer whose request may migrate (migration.prepare gave it a Request)."""
+
+    def __init__(self, plane, response, lease: Lease, request: Request, headers: dict[str, str]):
+        """plane: the dataplane.DataPlane (its session, pool, settings, stats and migration log); lease: the
+        backend the request counts against, moved with the stream (the caller releases it at the end)."""
+        self.plane, self.response, self.lease, self.backend = plane, response, lease, lease.backend
+        self.request, self.headers = request, headers
+        self.events, self.record = EventSplitter(), Record(request.kind)
+        self.progress = None  # the Progress once a migration began (the record's, then the continuation's)
+        self.continuation: Continuation | None = None
+        self.tried: list[Backend] = [lease.backend]
+        self.migrations = 0
+        self.done = False  # [DONE] passed on
+        self.stays = False  # handed over but not migratable: finishes where it is
+        self.upstream: aiohttp.ClientResponse | None = None  # the engine's response being read; None while moving
+        self.leaving = False  # handed over at once: the upstream was closed under the read
+
+    async def run(self, upstream: aiohttp.ClientResponse, chunk: bytes) -> None:
+        """Until the client has the whole answer. ConnectionError: cut (the client sees its stream end
+        early, as without migration). Whatever ends it early closes the engine's connection (vLLM aborts)."""
+        self.plane.streams.add(self)
+        try:
+            while True:
+                try:
+                    self.upstream = upstream
+                    await self.pass_on(upstream, chunk)
+                    return
+                except StreamFailed as failed:
+                    upstream.close()
+                    self.upstream = None
+                    if self.leaving:  # the read ended because hand_over_now closed it: not a failure
+                        failed, self.leaving = StreamFailed("handover"), False
+                    moved = await self.migrate(failed)
+                    if moved is None:
+                        return
+                    upstream, chunk = moved
+                except CannotMigrate as exc:  # a continuation that no longer matches what the client has
+                    self.refused("continuation", exc.reason)
+                    raise ConnectionError(f"the continuation on {self.backend.url} was cut: {exc.reason}") from exc
+        finally:
+            self.plane.streams.discard(self)
+            upstream.close()  # released already when it ended whole; closed (engine aborts) otherwise
+
+    async def pass_on(self, upstream: aiohttp.ClientResponse, chunk: bytes) -> None:
+        """This upstream's events to the client until its end; StreamFailed when it fails or must go."""
+        silence = self.plane.settings.read_timeout_s
+        while chunk:
+            whole = self.events.feed_whole(chunk)
+            if whole and self.continuation is None and not has_failure(whole):  # most chunks: as they came
+                self.record.add(whole)
+                self.done = self.done or DONE_MARK in whole
+                await self.response.write(strip_ids(whole) if self.request.strip_ids else whole)
+            elif whole:
+                await self.pass_events(whole)
+                if self.continuation is not None and self.continuation.ended:
+                    upstream.close()
+                    return
+            if self.backend.handing_over and not self.stays:
+                self.check_handover()
+            try:
+                async with asyncio.timeout(silence):
+                    chunk = await upstream.content.readany()
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                raise StreamFailed("broken", type(exc).__name__) from exc
+        if not self.done:  # the engine closed without [DONE]: cut before its end
+            raise StreamFailed("broken", "the stream ended before its end")
+        upstream.release()
+
+    async def pass_events(self, whole: bytes) -> None:
+        """Event by event: an error event among them, or a continuation's events to make the client's."""
+        out = []
+        try:
+            for event in split_events(whole):
+                out.append(self.translate(event))
+                if self.continuation is not None and self.continuation.ended:
+                    break
+        finally:  # what came before a failure reaches the client
+            if any(out):
+                await self.response.write(b"".join(out))
+
+    def translate(self, event: bytes) -> bytes:
+        if is_failure(event):  # an engine's error event: not passed on while the stream may move
+            raise StreamFailed("error", event[:200].decode(errors="replace"), event)
+        if event.startswith(DONE_MARK):
+            self.done = True
+        if self.continuation is not None:
+            return self.continuation.feed(event)  # CannotMigrate: the stream is cut (ConnectionError)
+        self.record.add(event)
+        return strip_ids(event) if self.request.strip_ids else event
+
+    def hand_over_now(self) -> None:
+        """Its replica was just handed over: move now rather than at the engine's next chunk (closing the
+        engine's response ends the read that waits for it; the engine aborts the request), or, where the
+        stream cannot move, finish where it is."""
+        if self.upstream is None or self.stays or self.leaving or self.done:
+            return  # moving already, staying, or complete: its end is on its way
+        if self.may_leave():
+            self.leaving = True
+            self.upstream.close()
+
+    def check_handover(self) -> None:
+        """The replica is drained (seen at a chunk): move now if the stream can, else let it finish there."""
+        if self.may_leave():
+            raise StreamFailed("handover")
+
+    def may_leave(self) -> bool:
+        """Whether a handed-over stream can move; one that cannot stays where it is, and that is on record."""
+        reason = why_not(self.request, self.current_progress(), self.migrations, self.plane.settings.migrations)
+        if reason is not None:
+            self.stays = True
+            self.refused("handover", reason)
+        return reason is None
+
+    def current_progress(self):
+        if self.progress is None:
+            return self.record.progress()
+        return self.progress
+
+    async def migrate(self, failed: StreamFailed) -> tuple[aiohttp.ClientResponse, bytes] | None:
+        """A continuation on another replica: its response and first chunk; None when the stream had
+        finished (the client gets what it is owed); ConnectionError: cut."""
+        source = self.backend
+        if failed.cause == "broken":
+            source.failed_until = time.monotonic() + self.plane.settings.failed_s
+            source.failures += 1
+        progress = self.current_progress()
+        self.progress = progress
+        if progress.finished:
+            await self.response.write(ending(self.request, progress))
+            return None
+        reason = why_not(self.request, progress, self.migrations, self.plane.settings.migrations)
+        while reason is None:
+            target = choose(self.plane.pool, self.plane.settings.policy, None, time.monotonic(), tuple(self.tried))
+            if target is None or target in self.tried:
+                reason = "no other replica can take it"
+                break
+            self.tried.append(target)
+            try:
+                return await self.continue_on(target, progress, failed.cause, source)
+            except CannotMigrate as exc:
+                reason = exc.reason
+            except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                target.failed_until = time.monotonic() + self.plane.settings.failed_s
+                target.failures += 1
+                reason = None if len(self.tried) < self.plane.settings.tries + 1 else f"{type(exc).__name__}"
+        self.refused(failed.cause, reason)
+        if failed.cause == "error":  # the engine's own error, passed on as it would be without migration
+            await self.response.write(failed.event + (b"" if self.done else DONE))
+            return None
+        self.plane.stats.broken_streams += 1
+        raise ConnectionError(f"the stream from {source.url} ended ({failed}); not continued elsewhere: {reason}")
+
+    def refused(self, cause: str, reason: str | None) -> None:
+        self.plane.stats.migrations_refused += 1
+        progress = self.current_progress()
+        self.plane.log_migration(Migration(time.time(), cause, self.backend.url, None, self.request.kind.value,
+                                           len(progress.ids), reason))
+
+    async def continue_on(self, target: Backend, progress, cause: str, source: Backend):
+        session, settings = self.plane.session, self.plane.settings
+        attempt = copy.deepcopy(progress)  # start() cuts it; a failed try must leave it whole
+        check = detokenize_body(self.request, attempt)
+        decoded = await self.detokenize(target, check) if check is not None else None
+        continuation = start(self.request, attempt, decoded)
+        upstream = None
+        try:
+            async with asyncio.timeout(settings.first_byte_timeout_s):
+                upstream = await session.post(self.plane.upstream_url(target.url, continuation.path),
+                                              data=continuation.body, headers=self.headers, allow_redirects=False)
+                if upstream.status != 200:
+                    raise CannotMigrate(f"{target.url} answered {upstream.status} to the continuation")
+                first = await upstream.content.readany()
+        except BaseException:
+            if upstream is not None:
+                upstream.close()
+            raise
+        self.progress, self.continuation, self.backend = attempt, continuation, target
+        self.plane.pool.release(self.lease.backend)
+        target.in_flight += 1
+        target.requests += 1
+        self.lease.backend = target
+        self.events = EventSplitter()
+        self.migrations += 1
+        self.plane.stats.migrations += 1
+        self.plane.log_migration(Migration(time.time(), cause, source.url, target.url, self.request.kind.value,
+                                           len(progress.ids)))
+        return upstream, first
+
+    async def detokenize(self, target: Backend, body: bytes) -> str | None:
+        """vLLM's /detokenize of the tail, where the cut needs it; None when it does not answer."""
+        try:
+            async with asyncio.timeout(DETOKENIZE_TIMEOUT_S):
+                async with self.plane.session.post(self.plane.upstream_url(target.url, "/detokenize"), data=body,
+                                                   headers=self.headers) as answer:
+                    if answer.status != 200:
+                        return None
+                    return json.loads(await answer.read()).get("prompt")
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return None
