@@ -1,5 +1,5 @@
-"""The endpoint outlives its controller and its login node (issue 17), on the sandbox: real Slurm, Ray,
-vLLM (CPU) and hpcserve's own data plane (the router: endpoint/dataplane.py). The controller and the
+"""The endpoint outlives its controller and its login node, on the sandbox: real Slurm, Ray,
+vLLM (CPU) and hpcserve's own data plane (the router: endpoint/dataplane/). The controller and the
 router run on this machine (the "login node"), the replicas in Slurm jobs on the nodes.
 
 One deployment of two replicas, under load through the endpoint throughout:

@@ -1,6 +1,6 @@
-"""The endpoint's data plane (endpoint/dataplane.py, driven by router.Router) as real processes in front
-of real backend processes: the fast OpenAI stand-in (hpcserve.testing.standin). The same behaviour in
-front of real vLLM engines: test_router_vllm.py. The pure decisions: test_balance.py.
+"""The endpoint's data plane (endpoint/dataplane/, driven by control/plane_client.Router) as real processes
+in front of real backend processes: the fast OpenAI stand-in (hpcserve.testing.standin). The same behaviour
+in front of real vLLM engines: test_router_vllm.py. The pure decisions: test_balance.py.
 Every process here is started and stopped by its PID. Processes are shared where tests only read."""
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ at 256 replicas, then the real pieces (stand-in farm, prober, router, controller
 - probe scheduling: busy replicas read five times a second, idle ones once;
 - Slurm: one squeue for all jobs, at most one call per interval whatever their number;
 - the prober: a killed replica fails at once, a silent one after its timeout, neither holds the rest;
-- Router.apply: dozens of membership changes in one call against the real data plane (endpoint/dataplane.py);
+- Router.apply: dozens of membership changes in one call against the real data plane (endpoint/dataplane/);
 - the real endpoint over 32 stand-ins: 10 % killed at once under load, 0 failed requests, out of the
   router within 5 s, replaced.
 """
