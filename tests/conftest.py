@@ -44,9 +44,10 @@ def sandbox_unusable_reason() -> str | None:
 
 
 @pytest.fixture(scope="session")
-def sandbox():
+def sandbox(request):
     """A running 3-node sandbox, shared by the whole test session (by one worker's tests under
-    pytest-xdist) and stopped at its end."""
+    pytest-xdist) and stopped at its end. Its folder (logs, Slurm's state) is removed then too, unless a
+    test failed: its logs say where to look."""
     reason = sandbox_unusable_reason()
     if reason:
         pytest.skip(reason)
@@ -55,6 +56,8 @@ def sandbox():
     cluster = ensure_sandbox(nodes=SANDBOX_NODES, **sandbox_settings(worker_index()))
     yield cluster
     cluster.down()
+    if not request.session.testsfailed:
+        shutil.rmtree(cluster.root, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- side by side (pytest-xdist)
