@@ -19,12 +19,13 @@ if [ "${1:-}" = "--fast" ]; then
 fi
 # As root, the Debian packages the tests need are installed here, once, before the workers start (two
 # workers' apt-get at once fail on apt's lock): Chromium for the dashboard test (never a browser download),
-# Slurm and munge for the sandbox.
+# Slurm and munge for the sandbox, PostgreSQL for tenancy's store (tests/tenancy).
 if [ "$(id -u)" = 0 ]; then
   if [ ! -x /usr/bin/chromium ]; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null
   fi
   .venv/bin/hpcserve sandbox install >/dev/null
+  .venv/bin/python -c 'from hpcserve.testing.postgres import ensure_installed; ensure_installed()'
 fi
 if [ $# -gt 0 ]; then
   exec "${PYTEST[@]}" -rs -n "${HPCSERVE_TEST_WORKERS:-0}" "$@"

@@ -47,6 +47,10 @@ from hpcserve.endpoint import (
 )
 from hpcserve.engine.client import Endpoint
 from hpcserve.monitoring.metrics import Gatherer
+from hpcserve.tenancy import keyring
+from hpcserve.tenancy.records import KeyRecord
+from hpcserve.tenancy.settings import database_url
+from hpcserve.tenancy.store import GroupBy, Store, UsageTotal, open_store
 
 
 @umask(PRIVATE_UMASK)  # run folders, their files and the registry's records: for their owner alone
@@ -154,6 +158,60 @@ def endpoints(target: str, api_key: str | None = None) -> list[Endpoint]:
     return [Endpoint(r["url"], r.get("model"), key) for r in state.replicas]
 
 
+# ------------------------------------------------------------------ tenants
+
+def tenancy_store(target: str | Path) -> Store:
+    """The store of a deployment's keys and usage: by its name (a deployment `up` started, running or not
+    since) or its config file. The caller closes it."""
+    return open_store(tenancy_database(target))
+
+
+def tenancy_database(target: str | Path) -> str:
+    path = Path(target)
+    if path.suffix in (".yaml", ".yml") or path.is_file():
+        cfg = load_config(path)
+        return database_url(cfg, Path(cfg.results_dir).resolve())
+    record = load_record(str(target))
+    run_dir = Path(record.run_dir)
+    return database_url(load_config(RunPaths(run_dir).config), run_dir.parent.parent)  # RESULTS/logs/RUN
+
+
+def add_key(target: str | Path, user: str, **options) -> tuple[str, KeyRecord]:
+    """A new key for user (keyring.add_key's options): the whole key, shown once, and its record."""
+    store = tenancy_store(target)
+    try:
+        return keyring.add_key(store, user, **options)
+    finally:
+        store.close()
+
+
+def keys(target: str | Path) -> list[KeyRecord]:
+    store = tenancy_store(target)
+    try:
+        return store.keys()
+    finally:
+        store.close()
+
+
+def revoke_key(target: str | Path, selector: str) -> list[KeyRecord]:
+    """Revoke a key by its id, or every live key of a user; refused on every data-plane worker within 1 s."""
+    store = tenancy_store(target)
+    try:
+        return keyring.revoke(store, selector)
+    finally:
+        store.close()
+
+
+def usage(target: str | Path, by: GroupBy = GroupBy.USER, since: float | None = None,
+          until: float | None = None) -> list[UsageTotal]:
+    store = tenancy_store(target)
+    try:
+        return store.usage(by, since, until)
+    finally:
+        store.close()
+
+
 # The library's surface: what the CLI, the workflows and users' scripts import from here.
 __all__ = ["up", "adopt", "check", "down", "status", "log_files", "api_key_for", "gatherer", "endpoints",
+           "tenancy_store", "add_key", "keys", "revoke_key", "usage",
            "load_record", "load_config", "HpcserveError", "Event", "UpResult", "DeploymentStatus", "RunStatus"]

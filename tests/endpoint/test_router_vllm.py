@@ -5,7 +5,6 @@ Run under the heavy lock: flock /tmp/hpcserve-heavy.lock .venv/bin/python -m pyt
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -278,18 +277,19 @@ def test_spread_drain_kill_and_add(router, engines):
 
     # drain: a long stream on b; b leaves the pool and hands it over: it goes on on a at once (the data plane
     # says so), whole, its greedy text that of an uninterrupted run, and nothing new reaches b.
-    # b runs only in short steps until the stream is under way, then stays frozen until the data plane has moved
-    # it (_run_until): the stream is still open when it is handed over, however slow this process and the
-    # router's calls are on busy cores. (Timed instead, the stream ended first: 400 tokens once in CI, then
-    # 1,500 in a loaded run.) Resumed, b aborts the stream the data plane closed: drained.
+    # b runs only in short steps until the data plane has the stream under way, then stays frozen until the data
+    # plane has moved it (_run_until): the stream is still open when it is handed over, however slow this process
+    # and its reader are on busy cores. (Timed instead, the stream ended first: 400 tokens once in CI, then 1,500 in
+    # a loaded run.) Resumed, b aborts the stream the data plane closed: drained.
     body = {"model": MODEL, "prompt": "drain", "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
     reference = streamed(url_a, body)  # uninterrupted, straight from an engine
     router.remove(url_a, drain_s=30)
-    got, under_way = {}, threading.Event()
-    reader = threading.Thread(target=lambda: got.update(streamed(router.url, body, under_way=under_way)))
+    got = {}
+    reader = threading.Thread(target=lambda: got.update(streamed(router.url, body)))
+    os.killpg(proc_b.pid, signal.SIGSTOP)  # frozen before the stream starts: it runs only in _run_until's steps
     reader.start()
     try:
-        _run_until(proc_b, under_way.is_set, "the stream to be handed over under way")
+        _run_until(proc_b, lambda: _streams_open(router) == 1, "the stream to be handed over under way")
         router.add(url_a)
         router.remove(url_b, drain_s=0, hand_over=True)  # out of the pool, its open streams moved now
         _wait(lambda: [m for m in router.migrations(0) if m["from"] == url_b], 60)
@@ -311,36 +311,36 @@ def test_spread_drain_kill_and_add(router, engines):
     # streams open on it continue on b. The streams start while b is still out of the pool, so all of them are
     # on a (left to the prefix policy, they once all went to b and there was nothing to migrate); b joins once
     # they are under way, then takes the load.
-    # a runs only in short steps until every stream is under way, then stays frozen until the kill
-    # (_run_until): each stream it has not finished is still open when it dies, however slow this process, b's
-    # join and the load are on busy cores. Timed instead, 400-token streams ended before the kill (5 of 6 on an
-    # idle machine, all of them in the failing runs: nothing migrated); frozen once this process had seen them
-    # all start in a's /metrics, they had all ended in 2 of 10 loaded runs.
+    # a runs only in short steps until the data plane has every stream under way (its first chunk passed on), then
+    # stays frozen until the kill (_run_until): each stream is still open when a dies, however slow this process,
+    # its readers, b's join and the load are on busy cores. Timed instead, 400-token streams ended before the kill
+    # (5 of 6 on an idle machine, all of them in the failing runs: nothing migrated); stepped until this process's
+    # readers had seen them start, their readers had read nothing until the streams' ends in a loaded run.
     length = 1000  # a makes hundreds of tokens a second while it runs: room for steps that overrun on busy cores
     streams = [{"model": MODEL, "prompt": f"stream {i} of the kill", "max_tokens": length, "ignore_eos": True,
                 "temperature": 0} for i in range(4)]
     streams += [{"model": MODEL, "messages": [{"role": "user", "content": f"chat {i} of the kill"}],
                  "max_tokens": length, "ignore_eos": True, "temperature": 0} for i in range(2)]
     outcomes: list = [None] * len(streams)
-    under_way = [_Stamped() for _ in streams]
 
     def read(index: int) -> None:
         try:
-            outcomes[index] = streamed(router.url, streams[index], under_way=under_way[index])
+            outcomes[index] = streamed(router.url, streams[index])
         except httpx.HTTPError as exc:
             outcomes[index] = {"broken": repr(exc)}
 
     readers = [threading.Thread(target=read, args=(i,)) for i in range(len(streams))]
     started = time.monotonic()
+    os.killpg(proc_a.pid, signal.SIGSTOP)  # frozen before the streams start: they run only in _run_until's steps
     [reader.start() for reader in readers]
     try:
-        _run_until(proc_a, lambda: all(e.is_set() for e in under_way), "the streams to be cut under way")
-        frozen = time.monotonic()
+        _run_until(proc_a, lambda: _streams_open(router) == len(streams), "the streams to be cut under way")
+        frozen, under_way_s = time.monotonic(), time.monotonic() - started
         router.add(url_b)
         served_b = _served(url_b)
         threads, result = run_load(router.url, MODEL, stop_event := threading.Event(), workers=4, max_tokens=8)
         _wait(lambda: _served(url_b) > served_b, 60)  # under load: b answers it (what went to a waits there)
-        open_at_kill = [i for i, reader in enumerate(readers) if reader.is_alive()]
+        open_at_kill = _streams_open(router)
         killed_at = len(router.migrations(0))
     finally:
         os.killpg(proc_a.pid, signal.SIGKILL)
@@ -359,47 +359,47 @@ def test_spread_drain_kill_and_add(router, engines):
     broken = [o for o in outcomes if not o or "broken" in o or not o["done"] or o["errors"]]
     differ = [i for i, o in enumerate(outcomes) if o and "text" in o and o["text"] != references[i]["text"]]
     print(f"\nFIGURES kill -9 under streams: {len(streams)} streams, under way after "
-          f"{[round(e.at - started, 1) for e in under_way]} s, a frozen then ({frozen_s:.1f} s before the kill), "
-          f"{len(open_at_kill)} open at the kill, {len(moved)} migrated ({sorted({m['cause'] for m in moved})}, "
+          f"{under_way_s:.1f} s, a frozen then ({frozen_s:.1f} s before the kill), {open_at_kill} open at the kill, "
+          f"{len(moved)} migrated ({sorted({m['cause'] for m in moved})}, "
           f"after {sorted(m['tokens'] for m in moved)} tokens), {len(streams) - len(broken)} completed, "
           f"{len(broken)} broken, {len(differ)} with text unlike an uninterrupted run's; streams' seconds "
           f"{[round(o.get('seconds', 0), 1) for o in outcomes if o]}")
     assert not broken and not differ, (broken, differ)
-    # Each stream a had not finished moved to b mid-stream, once (one that did not would be broken above); the
-    # last to get under way at least. (<=: a reader may still be reading the end of a stream a had finished)
-    assert 0 < len(moved) <= len(open_at_kill), (open_at_kill, moved)
+    # Each stream open at the kill (all of them: a was frozen mid-way) moved to b mid-stream, once (one that did
+    # not would be broken above).
+    assert len(moved) == open_at_kill == len(streams), (open_at_kill, moved)
     assert all(m["from"] == url_a and m["to"] == url_b and m["cause"] == "broken" and m["tokens"] < length
                for m in moved), moved
     assert router.remove(url_a, drain_s=1) is False  # dead: nothing to drain, and out of the pool
     assert [b.url for b in router.backends()] == [url_b]
 
 
-def _run_until(proc: subprocess.Popen, condition, what: str, timeout_s: float = 60, step_s: float = 0.05) -> None:
-    """Let an engine (its process group) run in steps of step_s, frozen (SIGSTOP) between them, until condition()
-    holds while it is frozen; it is left frozen. Between steps the readers catch up with what it sent: a test
+def _streams_open(router: Router) -> int:
+    """Streams the data plane has under way now (their first chunk passed on to the client)."""
+    for line in router.metrics().splitlines():
+        if line.startswith("hpcserve_router_streams_open "):
+            return int(float(line.split()[1]))
+    raise AssertionError("the data plane's metrics have no hpcserve_router_streams_open")
+
+
+def _run_until(proc: subprocess.Popen, condition, what: str, timeout_s: float = 180, step_s: float = 0.05) -> None:
+    """Let a frozen engine (its process group) run in steps of step_s, frozen (SIGSTOP) between them, until
+    condition() holds while it is frozen; it is left frozen. (Left running until the first step, it had finished
+    every stream when a loaded machine took 5 s to start that step's shell.) Between steps the readers catch up with what it sent: a test
     process starved of CPU (seen: its clients read a stream's 5th event after the engine had made 367 of 400
-    tokens) cannot let a stream run to its end unseen."""
+    tokens) cannot let a stream run to its end unseen (the condition asks the data plane, not the readers). Each step is one shell's `kill -CONT; sleep; kill -STOP`:
+    timed by this process, a step lasted as long as its thread waited for the GIL among the readers' threads on
+    busy cores (seconds: long enough for a 1,000-token stream to end unseen)."""
+    step = f"kill -s CONT -- -{proc.pid}; sleep {step_s}; kill -s STOP -- -{proc.pid}"
     deadline = time.monotonic() + timeout_s
     while True:
-        os.killpg(proc.pid, signal.SIGCONT)
-        time.sleep(step_s)
-        os.killpg(proc.pid, signal.SIGSTOP)
+        subprocess.run(["sh", "-c", step], check=True)
         caught_up = time.monotonic() + 1.0
         while time.monotonic() < caught_up:
             if condition():
                 return
             time.sleep(0.02)
         assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
-
-
-class _Stamped(threading.Event):
-    """An event that keeps when it was set."""
-
-    at = 0.0
-
-    def set(self) -> None:
-        self.at = time.monotonic()
-        super().set()
 
 
 def _wait(condition, timeout_s: float) -> None:

@@ -189,7 +189,9 @@ def test_api_key_not_in_process_list(deployment):
         assert key not in " ".join(proc.cmdline())
 
 
-def test_greedy_output_matches_transformers(deployment):
+def test_greedy_output_matches_transformers(deployment, monkeypatch, tmp_path):
+    # loading a model imports torch._dynamo, which makes its cache folder, by default $TMPDIR/torchinductor_USER
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "torchinductor"))
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -16,6 +16,7 @@ from hpcserve.cli.doctor import doctor
 from hpcserve.cli.monitor import monitor
 from hpcserve.cli.sandbox import app as sandbox_app
 from hpcserve.cli.status import logs, status
+from hpcserve.cli.tenancy import app as keys_app, usage
 from hpcserve.core.statuses import RunStatus, Stage, StageEvent
 from hpcserve.core.timeline import breakdown_line
 from hpcserve.site.files import load_with_site
@@ -157,6 +158,8 @@ def _mount_subcommands() -> None:
     for command in (status, logs, render, check, plan, validate, baseline):
         app.command()(command)
 
+    app.add_typer(keys_app, name="keys", help="Users' own keys: add, list, revoke; `keys request` gets your own.")
+    app.command(help=usage.__doc__)(usage)
     app.add_typer(sandbox_app, name="sandbox", help="A real multi-node Slurm cluster on this machine, for trying and testing.")
     app.command(help=bench.__doc__)(bench)
     app.command(help=doctor.__doc__)(doctor)

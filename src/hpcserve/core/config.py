@@ -275,6 +275,70 @@ class ReplicaGroup(Strict):
         return base.model_copy(update={k: v for k, v in changed.items() if v is not None})
 
 
+class LimitsSpec(Strict):
+    """What one key may use (null: no limit). Over a rate: 429 JSON naming the limit, with Retry-After."""
+
+    requests_per_minute: int | None = Field(None, gt=0, description="requests begun in any 60 s")
+    tokens_per_minute: int | None = Field(None, gt=0, description="prompt + completion tokens in any 60 s")
+    tokens_per_day: int | None = Field(None, gt=0, description="prompt + completion tokens per UTC day")
+    max_n: int | None = Field(None, gt=0, description="the most choices one request may ask for (`n`)")
+    max_best_of: int | None = Field(None, gt=0, description="the largest `best_of` of one request")
+    max_tokens: int | None = Field(None, gt=0, description="the largest max_tokens (max_completion_tokens) of one "
+                                   "request; a request without one is sent with this")
+
+
+class SelfServiceSpec(Strict):
+    """Keys without an administrator: a user logged in on the endpoint's host runs `hpcserve keys request
+    NAME --owner OWNER` and gets a key of their own, identified by the operating system (the peer credentials
+    of a Unix socket), bound to their Unix name and, where Slurm's accounting knows it, their default account
+    as the project."""
+
+    allow: bool = Field(False, description="serve the self-service socket while the endpoint runs")
+    users: list[str] | None = Field(None, description="Unix names that may ask; null: every user of the host")
+    limits: LimitsSpec = Field(LimitsSpec(), description="the limits of a self-service key (over tenancy.limits)")
+    expires_days: float | None = Field(30, gt=0, description="a self-service key's lifetime in days; null: no end")
+    project_from_slurm: bool = Field(True, description="the key's project: the user's default Slurm account "
+                                     "(sacctmgr), where accounting knows it")
+
+
+class TenancySpec(Strict):
+    """Users behind one endpoint: keys of their own, limits, a usage record and a fair share (docs/tenancy.md).
+    The deployment's own key stays the owner's and is never limited by a rate."""
+
+    enabled: bool = Field(True, description="users' own keys, limits and the usage record on the endpoint; "
+                          "off with serve.insecure_no_api_key (nobody's key to stand beside)")
+    database: str | None = Field(None, description="where keys and usage live: null for an SQLite file "
+                                 "RESULTS_DIR/NAME-tenancy.sqlite (kept across `down` and `up`), a path of one, or "
+                                 "postgresql://USER@HOST/DB for a service on several hosts (its password from "
+                                 "~/.pgpass, never in this file)")
+    limits: LimitsSpec = Field(LimitsSpec(max_n=16, max_best_of=16), description="every key's limits, the owner's "
+                               "caps included; a key's own limits replace these one by one")
+    shares: dict[str, float] = Field(default_factory=dict, description="fair-share weights of projects (as Slurm's "
+                                     "fair-share weights accounts): while requests wait for a full pool, a project "
+                                     "of weight 2 gets twice the turns of one of weight 1; others weigh 1")
+    usage_flush_s: float = Field(1.0, gt=0, le=60, description="seconds between the data plane's batched writes "
+                                 "of usage rows: what a killed data-plane worker can lose at most")
+    self_service: SelfServiceSpec = Field(SelfServiceSpec(), description="keys that cluster users get themselves")
+
+    @field_validator("database")
+    @classmethod
+    def _no_password_in_url(cls, url: str | None) -> str | None:
+        if url and url.startswith(("postgresql://", "postgres://")):
+            userinfo = url.split("://", 1)[1].split("@", 1)
+            if len(userinfo) == 2 and ":" in userinfo[0]:
+                raise ValueError("tenancy.database has a password in it: put it in ~/.pgpass (mode 0600) and "
+                                 "write the URL without it, postgresql://USER@HOST/DB")
+        return url
+
+    @field_validator("shares")
+    @classmethod
+    def _positive_shares(cls, shares: dict[str, float]) -> dict[str, float]:
+        bad = {k: v for k, v in shares.items() if not v > 0}
+        if bad:
+            raise ValueError(f"tenancy.shares must be > 0; not {bad}")
+        return shares
+
+
 class DeploymentConfig(Strict):
     """A deployment file: one model served on one cluster behind one endpoint."""
 
@@ -290,6 +354,7 @@ class DeploymentConfig(Strict):
                                                "behind the endpoint (serve.router), besides parallelism's")
     site: SiteSpec = Field(SiteSpec(), description="how the site runs software on its compute nodes; "
                            "`--site FILE` replaces it (docs/sites.md)")
+    tenancy: TenancySpec = Field(TenancySpec(), description="users, keys, limits, usage and fair share")
     results_dir: str = Field("results", description="folder of the run folders (logs/NAME-ID/: logs, state, the "
                              "generated API key), relative to the current folder; on Slurm one every compute node "
                              "mounts. Refused when others can write into it")

@@ -62,6 +62,12 @@ class RunPaths:
         return self.root / ".router_key"
 
     @property
+    def tenancy(self) -> Path:
+        """The data plane's tenancy settings (tenancy.settings.TenancySettings as JSON): where the keys and the
+        usage record are, the limits, the shares."""
+        return self.root / "tenancy.json"
+
+    @property
     def router_admin(self) -> Path:
         """The data plane's admin socket (membership, its metrics): in an owner-only folder of the run
         folder, mode 0600, so only the owner can change what the endpoint serves; in /tmp/hpcserve-UID/

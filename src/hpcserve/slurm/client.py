@@ -187,6 +187,22 @@ class SlurmClient:
             self._sleep(min(delay, remaining))
             delay = min(delay * 1.5, max_poll)
 
+    def default_account(self, user: str, timeout_s: float = 5.0) -> str | None:
+        """The user's default account in Slurm's accounting (`sacctmgr -nP show user USER
+        format=defaultaccount`), or None when it cannot say: no sacctmgr on PATH, no slurmdbd (the
+        command fails), no such user in accounting, or no answer within timeout_s. Never raises: the
+        answer is a nicety (a self-service key's project), asked while a user waits for their key."""
+        if not _UNIX_NAME.match(user):
+            return None  # not a name sacctmgr could know, and never an option for it
+        argv = ["sacctmgr", "-nP", "show", "user", user, "format=defaultaccount"]
+        try:
+            result = self._runner(argv, min(timeout_s, self._timeout))
+        except (subprocess.TimeoutExpired, OSError):
+            return None
+        if result.returncode != 0:
+            return None
+        return parse_default_account(result.stdout)
+
     # ------------------------------------------------------------ lookups behind job()
 
     def _from_squeue(self, job_id: str, said: list[str]) -> JobInfo | None:
@@ -328,3 +344,16 @@ def log_folders(script_text: str) -> list[Path]:
         if folder is not None and "%" not in str(folder) and folder not in folders:
             folders.append(folder)
     return folders
+
+
+_UNIX_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*\$?$")
+
+
+def parse_default_account(stdout: str) -> str | None:
+    """The account of `sacctmgr -nP show user USER format=defaultaccount`: its first non-empty line
+    (a trailing '|' of older parsable output dropped), None when accounting has no such user. Pure."""
+    for line in stdout.splitlines():
+        account = line.strip().rstrip("|").strip()
+        if account:
+            return account
+    return None

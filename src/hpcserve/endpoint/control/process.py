@@ -17,6 +17,7 @@ it was (the data plane kept serving without a controller; it does so still).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -24,7 +25,7 @@ import time
 from pathlib import Path
 
 from hpcserve.core.config import Layout, load_config
-from hpcserve.core.files import remove_files, write_secret
+from hpcserve.core.files import remove_files, write_secret, write_text
 from hpcserve.core.keys import read_api_key
 from hpcserve.core.paths import RunPaths
 from hpcserve.core.runstate import RunState
@@ -38,6 +39,10 @@ from hpcserve.endpoint.control.resume import resume
 from hpcserve.engine.args import routes_by_cache
 from hpcserve.engine.client import READY_PROMPT, completion_probe
 from hpcserve.engine.kv_events import flag_value
+from hpcserve.slurm.client import SlurmClient
+from hpcserve.tenancy.selfservice import SelfServiceServer
+from hpcserve.tenancy.settings import TenancySettings, tenancy_on
+from hpcserve.tenancy.store import open_store
 from hpcserve.planning.model_source import resolve_model_path, resolved_layout
 
 log = logging.getLogger(__name__)
@@ -123,6 +128,16 @@ def dataplane_options(cfg) -> list[str]:
             *tokenizer_options(cfg)]
 
 
+def tenancy_options(cfg, paths: RunPaths) -> list[str]:
+    """--tenancy FILE: users' keys, limits and the usage record (its database beside the run folders unless the
+    config names one); none for an open endpoint."""
+    if not tenancy_on(cfg):
+        return []
+    settings = TenancySettings.from_config(cfg, paths.root.parent.parent)  # RESULTS/logs/RUN
+    write_text(paths.tenancy, json.dumps(settings.to_json()), mode=0o600)  # again when a controller adopts
+    return ["--tenancy", str(paths.tenancy)]
+
+
 def tokenizer_options(cfg) -> list[str]:
     if not (cfg.serve.router and routes_by_cache(cfg)):
         return []
@@ -141,24 +156,51 @@ def run(run_dir: Path, runs: Launcher | None = None) -> int:
     adopting = bool(previous.members)
     api_key = read_api_key(run_dir)  # the run folder's copy, written by `up` before this process started
     key_file = write_secret(paths.router_key, api_key) if api_key else None  # never on a command line
+    options = dataplane_options(cfg) + tenancy_options(cfg, paths)
     router = Router(cfg.serve.host, cfg.serve.port, key_file, paths.router_log, model=cfg.model.name,
-                    admin_socket=paths.router_admin, hold_s=cfg.serve.hold_s, options=dataplane_options(cfg),
+                    admin_socket=paths.router_admin, hold_s=cfg.serve.hold_s, options=options,
                     policy=cfg.serve.routing, workers=cfg.serve.router_workers or default_workers())
     ctl = Controller(cfg, run_dir, router, api_key, runs)
+    keys_desk = self_service(cfg, paths, router.url)
     started = {} if adopting else {"job_started": time.time()}  # where up's time went stays up's
     ctl.writer.update(driver_pid=os.getpid(), status=RunStatus.STARTING, **started)
     install_stop_handlers(ctl.request_stop)
     if adopting:
         adopted = threading.Event()
-        return run_to_end(ctl.writer, lambda: adopt_and_control(ctl, previous, adopted),
-                          lambda: teardown(ctl) if adopted.is_set() else leave_running(ctl), paths.endpoint_log,
-                          Stage.ADOPT)
+        def adopt_body() -> None:
+            open_desk(keys_desk)
+            adopt_and_control(ctl, previous, adopted)
+
+        return run_to_end(ctl.writer, adopt_body, lambda: close_desk(keys_desk) or (
+            teardown(ctl) if adopted.is_set() else leave_running(ctl)), paths.endpoint_log, Stage.ADOPT)
 
     def body() -> None:
         router.start([])
+        open_desk(keys_desk)
         serve(ctl)
 
-    return run_to_end(ctl.writer, body, lambda: teardown(ctl), paths.endpoint_log, Stage.ROUTER)
+    return run_to_end(ctl.writer, body, lambda: close_desk(keys_desk) or teardown(ctl), paths.endpoint_log,
+                      Stage.ROUTER)
+
+
+def self_service(cfg, paths: RunPaths, url: str) -> SelfServiceServer | None:
+    """The socket where users of this host get keys of their own (tenancy.self_service.allow), else None."""
+    if not (tenancy_on(cfg) and cfg.tenancy.self_service.allow):
+        return None
+    settings = TenancySettings.read(paths.tenancy)
+    accounts = SlurmClient().default_account if cfg.tenancy.self_service.project_from_slurm else None
+    return SelfServiceServer(lambda: open_store(settings.database), cfg.tenancy.self_service, cfg.name,
+                             settings.limits, accounts, url=url)
+
+
+def open_desk(desk: SelfServiceServer | None) -> None:
+    if desk is not None:
+        log.info("self-service keys at %s", desk.start())
+
+
+def close_desk(desk: SelfServiceServer | None) -> None:
+    if desk is not None:
+        desk.close()
 
 
 if __name__ == "__main__":

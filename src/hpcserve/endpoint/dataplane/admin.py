@@ -74,6 +74,7 @@ class Admin:
         plane = self.plane
         plane.stats.index_blocks = plane.pool.index.entries()
         plane.stats.admission_waits, plane.stats.admission_waiting = plane.admission.waits, len(plane.admission.waiting)
+        plane.stats.streams_open = len(plane.streams)
         if plane.feeds is not None:
             plane.stats.kv_events, plane.stats.kv_event_gaps = plane.feeds.stats.events, plane.feeds.stats.gaps
             plane.stats.kv_feeds_live = len(plane.pool.exact)

@@ -18,6 +18,14 @@ which grows one token at a time: decode-heavy traffic (short prompts, long answe
 works only where the prompt is known as token ids and every replica's KV cache size is known (the prefix
 policy with the engines' KV events followed); otherwise every request goes at once. Each worker process of
 the data plane admits its own requests against its share (1 / workers) of the caches.
+
+Fair share (with tenants: users' own keys). Then requests also wait here while the replicas are full (the
+requests admitted reach the sum of the replicas' capacities, their engines' --max-num-seqs, plus one each so
+that no engine idles between two requests), rather than in the engines' first-come queues, and the next to
+go is chosen fairly: among the projects with requests waiting, the one with the least service so far for its
+weight (tenancy.shares, as Slurm's fair-share weights accounts), then among its users the same way with equal
+weights (start-time fair queueing, twice: a project or user that was idle gets no credit for it, and none is
+starved). Among one user's requests the order is the one above: a prefix held somewhere goes first.
 """
 
 from __future__ import annotations
@@ -44,12 +52,57 @@ SCAN = 64  # waiting requests looked at for a cached prefix per admission: bound
 
 @dataclass(slots=True, eq=False)
 class Ticket:
-    """One request's place: what it charges while in flight (tokens to prefill), once admitted."""
+    """One request's place: what it charges while in flight (tokens to prefill), once admitted; whose it is
+    (project, user) where fair share is on."""
 
     affinity: Affinity | None
     since: float
     cost: int = 0
     granted: asyncio.Future | None = field(default=None, repr=False)
+    project: str = ""
+    user: str = ""
+
+
+class FairQueue:
+    """Start-time fair queueing over names (projects, or the users of one): `pick` the name whose next turn
+    starts first (its last turn's end, or now for a name that was idle), `served` moves its end on by
+    1 / weight. Pure apart from its own tags."""
+
+    def __init__(self, weights: dict[str, float] | None = None):
+        self.weights = weights or {}
+        self.finish: dict[str, float] = {}
+        self.now = 0.0  # the virtual time: the start of the last turn given
+
+    def start(self, name: str) -> float:
+        return max(self.now, self.finish.get(name, 0.0))
+
+    def pick(self, names: Iterable[str]) -> str:
+        return min(names, key=self.start)  # min keeps the first of equals: the caller lists oldest first
+
+    def served(self, name: str) -> None:
+        self.now = self.start(name)
+        self.finish[name] = self.now + 1.0 / self.weights.get(name, 1.0)
+        if len(self.finish) > 4 * 4096:  # names long gone: their tags are behind now and mean nothing
+            self.finish = {n: f for n, f in self.finish.items() if f > self.now}
+
+
+class FairShare:
+    """Projects weighted by their shares, then the users of each with equal weights."""
+
+    def __init__(self, shares: dict[str, float]):
+        self.projects = FairQueue(shares)
+        self.users: dict[str, FairQueue] = {}
+
+    def choose(self, waiting: Iterable[Ticket]) -> tuple[str, str]:
+        """(project, user) whose request goes next among those waiting (oldest first)."""
+        tickets = list(waiting)
+        project = self.projects.pick(dict.fromkeys(t.project for t in tickets))
+        users = self.users.setdefault(project, FairQueue())
+        return project, users.pick(dict.fromkeys(t.user for t in tickets if t.project == project))
+
+    def served(self, project: str, user: str) -> None:
+        self.projects.served(project)
+        self.users.setdefault(project, FairQueue()).served(user)
 
 
 def prefill_cost(pool: RoutingTable, affinity: Affinity | None, now: float) -> tuple[int, bool]:
@@ -81,8 +134,9 @@ def next_admitted(costs: Iterable[tuple[int, bool, float]], room: int, idle: boo
 
 
 class Admission:
-    def __init__(self, pool: RoutingTable, share: float, workers: int = 1):
-        self.pool, self.share, self.workers = pool, share, workers
+    def __init__(self, pool: RoutingTable, share: float, workers: int = 1, fair: FairShare | None = None):
+        """fair: fair share across projects and users (then requests also wait while the replicas are full)."""
+        self.pool, self.share, self.workers, self.fair = pool, share, workers, fair
         self.in_flight = 0  # prefill tokens charged by the requests admitted and not ended
         self.admitted = 0  # requests admitted and not ended
         self.waiting: deque[Ticket] = deque()
@@ -96,26 +150,34 @@ class Admission:
             return None
         return int(self.share * sum(sizes) / self.workers)
 
+    def slots(self) -> int | None:
+        """Requests this process may have in flight before the rest wait (fair share only): the replicas'
+        capacities, one more each, its share of them; None while fair share is off or no replica is there."""
+        if self.fair is None or not self.pool.active:
+            return None
+        return max(1, sum(b.capacity + 1 for b in self.pool.active) // self.workers)
+
     @asynccontextmanager
-    async def turn(self, affinity: Affinity | None) -> AsyncIterator[Ticket]:
+    async def turn(self, affinity: Affinity | None, project: str = "", user: str = "") -> AsyncIterator[Ticket]:
         """The request's turn: entered at once while there is room, else in its order; left at its end."""
-        ticket = await self.enter(affinity)
+        ticket = await self.enter(affinity, project, user)
         try:
             yield ticket
         finally:
             self.leave(ticket)
 
-    async def enter(self, affinity: Affinity | None) -> Ticket:
+    async def enter(self, affinity: Affinity | None, project: str = "", user: str = "") -> Ticket:
         """Returns once the request may go on (it then holds its ticket until leave)."""
         now = time.monotonic()
-        ticket = Ticket(affinity, now)
-        budget = self.budget()
-        if budget is None or affinity is None or not affinity.tokens:
+        ticket = Ticket(affinity, now, project=project, user=user)
+        budget, slots = self.budget(), self.slots()
+        priced = budget is not None and affinity is not None and bool(affinity.tokens)
+        if not priced and slots is None:
             self.grant(ticket, 0)
             return ticket
-        if not self.waiting:
-            cost, _ = prefill_cost(self.pool, affinity, now)
-            if self.admitted == 0 or self.in_flight + cost <= budget:
+        if not self.waiting and (slots is None or self.admitted < slots):
+            cost = prefill_cost(self.pool, affinity, now)[0] if priced else 0
+            if not priced or self.admitted == 0 or self.in_flight + cost <= budget:
                 self.grant(ticket, cost)
                 return ticket
         ticket.granted = asyncio.get_running_loop().create_future()
@@ -142,6 +204,8 @@ class Admission:
         ticket.cost = cost
         self.in_flight += cost
         self.admitted += 1
+        if self.fair is not None:
+            self.fair.served(ticket.project, ticket.user)
 
     def leave(self, ticket: Ticket) -> None:
         """The request ended (answered, failed, or its client left)."""
@@ -152,22 +216,32 @@ class Admission:
     def admit(self) -> None:
         """Let waiting requests in while there is room (also after the pool changed: the budget with it)."""
         while self.waiting:
-            budget = self.budget()
+            budget, slots = self.budget(), self.slots()
             now = time.monotonic()
-            if budget is None:  # admission is off now: all go
+            if budget is None and slots is None:  # admission is off now: all go
                 while self.waiting:
                     self.grant(self.waiting.popleft(), 0)
                 return
+            if slots is not None and self.admitted >= slots:
+                return
+            # with fair share, the requests of the (project, user) whose turn it is; else all, oldest first
+            turn = self.fair.choose(self.waiting) if self.fair is not None else None
+            candidates = (range(len(self.waiting)) if turn is None
+                          else [i for i, t in enumerate(self.waiting) if (t.project, t.user) == turn])
             costs: list[tuple[int, bool, float]] = []  # computed as next_admitted reads them
 
             def each_cost() -> Iterator[tuple[int, bool, float]]:
-                for ticket in self.waiting:
-                    costs.append((*prefill_cost(self.pool, ticket.affinity, now), ticket.since))
+                for index in candidates:
+                    ticket = self.waiting[index]
+                    priced = budget is not None and ticket.affinity is not None and ticket.affinity.tokens
+                    costs.append((*prefill_cost(self.pool, ticket.affinity, now), ticket.since) if priced
+                                 else (0, False, ticket.since))
                     yield costs[-1]
 
-            pick = next_admitted(each_cost(), budget - self.in_flight, self.admitted == 0, now)
+            room = budget - self.in_flight if budget is not None else 2**62
+            pick = next_admitted(each_cost(), room, self.admitted == 0, now)
             if pick is None:
                 return
-            ticket = self.waiting[pick]
-            del self.waiting[pick]
+            ticket = self.waiting[candidates[pick]]
+            del self.waiting[candidates[pick]]
             self.grant(ticket, costs[pick][0])

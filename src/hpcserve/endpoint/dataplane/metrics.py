@@ -49,11 +49,21 @@ class Stats:
     kv_feeds_live: int = 0
     admission_waits: int = 0  # set when read, from the admission (admission.py)
     admission_waiting: int = 0
+    streams_open: int = 0  # set when read: streams under way that may move (streams.py)
+    projects: dict[str, list[int]] = field(default_factory=dict)  # with tenants: [requests, prompt, completion]
 
     def done(self, status: int, seconds: float) -> None:
         self.codes[status] = self.codes.get(status, 0) + 1
         self.buckets[bisect.bisect_left(DURATION_BUCKETS, seconds)] += 1
         self.duration_sum += seconds
+
+    def used(self, project: str | None, prompt_tokens: int | None, completion_tokens: int | None) -> None:
+        counts = self.projects.get(project or "-")
+        if counts is None:
+            counts = self.projects[project or "-"] = [0, 0, 0]
+        counts[0] += 1
+        counts[1] += prompt_tokens or 0
+        counts[2] += completion_tokens or 0
 
     def to_json(self) -> dict:
         return {**asdict(self), "codes": {str(code): count for code, count in self.codes.items()}}
@@ -66,8 +76,11 @@ class Stats:
             for code, count in part.get("codes", {}).items():
                 total.codes[int(code)] = total.codes.get(int(code), 0) + count
             total.buckets = [a + b for a, b in zip(total.buckets, part.get("buckets", []))] or total.buckets
+            for project, counts in part.get("projects", {}).items():
+                known = total.projects.setdefault(project, [0, 0, 0])
+                total.projects[project] = [a + b for a, b in zip(known, counts)]
             for item in fields(cls):
-                if item.name not in ("codes", "buckets"):
+                if item.name not in ("codes", "buckets", "projects"):
                     setattr(total, item.name, getattr(total, item.name) + part.get(item.name, 0))
         return total
 
@@ -113,6 +126,8 @@ class Collector:
         yield GaugeMetricFamily("hpcserve_router_held", "Requests held now", value=stats.held)
         yield GaugeMetricFamily("hpcserve_router_admission_waiting", "Requests waiting now for room in the "
                                 "replicas' KV caches", value=stats.admission_waiting)
+        yield GaugeMetricFamily("hpcserve_router_streams_open", "Streams under way that may continue on another "
+                                "replica (their first chunk passed on)", value=stats.streams_open)
         yield GaugeMetricFamily("hpcserve_router_prefix_index_blocks", "Prompt blocks the routing index holds "
                                 "(summed over workers: each keeps its own copy)", value=stats.index_blocks)
         yield GaugeMetricFamily("hpcserve_router_kv_feeds_live", "Engines whose KV events are followed now "
@@ -130,3 +145,13 @@ class Collector:
             sent.add_metric([row["url"]], row.get("requests", 0))
             failures.add_metric([row["url"]], row.get("failures", 0))
         yield from (in_flight, sent, failures)
+        if stats.projects:
+            requests = CounterMetricFamily("hpcserve_project_requests", "Requests answered, by the project of their "
+                                           "key (tenancy; '-': none)", labels=["project"])
+            tokens = CounterMetricFamily("hpcserve_project_tokens", "Tokens of the answered requests, by project and "
+                                         "kind (prompt, completion)", labels=["project", "kind"])
+            for project, (count, prompt, completion) in sorted(stats.projects.items()):
+                requests.add_metric([project], count)
+                tokens.add_metric([project, "prompt"], prompt)
+                tokens.add_metric([project, "completion"], completion)
+            yield from (requests, tokens)

@@ -49,10 +49,10 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from hpcserve.core.errors import HpcserveError
-from hpcserve.core.keys import KeyCheck, read_key_file
+from hpcserve.core.keys import KeyCheck, bearer, read_key_file
 from hpcserve.core.statuses import Routing
 from hpcserve.endpoint.dataplane import wire
-from hpcserve.endpoint.dataplane.admission import Admission
+from hpcserve.endpoint.dataplane.admission import Admission, FairShare
 from hpcserve.endpoint.dataplane.routing import choose
 from hpcserve.endpoint.dataplane.routing.table import Affinity, Backend, RoutingTable
 from hpcserve.endpoint.dataplane.kv_feed import Feeds
@@ -65,7 +65,11 @@ from hpcserve.endpoint.dataplane.settings import Settings, parse_args
 from hpcserve.endpoint.dataplane.routing.prompt_tokens import PromptTokenizer
 from hpcserve.endpoint.dataplane.routing.log import RoutingLog
 from hpcserve.endpoint.dataplane.streams import Lease, Stream
+from hpcserve.endpoint.dataplane.tenants import Visit, limit_refusal, model_refusal, tenant_view
 from hpcserve.endpoint.dataplane.workers import supervise
+from hpcserve.tenancy.limits import missing_max_tokens
+from hpcserve.tenancy.settings import TenancySettings
+from hpcserve.tenancy.view import Tenant, TenantView
 from hpcserve.core.logs import configure_process_logging
 from hpcserve.endpoint.protocol import PROCESS_TITLE, Migration
 
@@ -74,6 +78,7 @@ from hpcserve.endpoint.protocol import PROCESS_TITLE, Migration
 UPSTREAM_KEEPALIVE_S = 4.0
 URL_CACHE_SIZE = 4096
 MIGRATION_LOG = 1000  # the last migrations kept for GET /migrations
+VISIT = "hpcserve.visit"  # a tenant's request: its tenants.Visit, on the aiohttp request
 
 log = logging.getLogger(__name__)
 
@@ -81,12 +86,15 @@ log = logging.getLogger(__name__)
 class Refusal(Exception):
     """An answer of the data plane's own (JSON), raised where the request cannot go on."""
 
-    def __init__(self, status: int, body: bytes, close: bool = False, retry_after: bool = False):
+    def __init__(self, status: int, body: bytes, close: bool = False, retry_after: bool | int = False):
+        """retry_after: True for the data plane's usual Retry-After (wire.RETRY_AFTER_S), or the seconds."""
         super().__init__(status)
         self.status, self.body, self.close, self.retry_after = status, body, close, retry_after
 
     def response(self) -> web.Response:
-        headers = {"Retry-After": str(wire.RETRY_AFTER_S)} if self.retry_after else None
+        headers = None
+        if self.retry_after is not False:
+            headers = {"Retry-After": str(wire.RETRY_AFTER_S if self.retry_after is True else self.retry_after)}
         response = web.Response(status=self.status, body=self.body, content_type="application/json", headers=headers)
         if self.close:  # the rest of the request (a body too large, too slow) is never read
             response.force_close()
@@ -100,9 +108,12 @@ class AttemptFailed(Exception):
 
 
 class DataPlane:
-    def __init__(self, settings: Settings, key: str | None):
+    def __init__(self, settings: Settings, key: str | None, tenants: TenantView | None = None):
+        """tenants: users' keys, limits and usage (tenants.py); None: the deployment's key alone."""
         self.settings = settings
         self.key, self.raw_key = KeyCheck(key), key
+        self.tenants = tenants
+        self.engine_auth = bearer(key)  # what the engines get in place of a user's key
         self.pool = RoutingTable()
         self.tokenizer: PromptTokenizer | None = None  # with the engines' KV events (kv_feed): exact routing
         self.feeds: Feeds | None = None
@@ -113,7 +124,8 @@ class DataPlane:
         self.urls: dict[tuple[str, str], URL] = {}  # (backend, path) -> parsed URL: a few paths are most requests
         self.migration_log: deque[Migration] = deque(maxlen=MIGRATION_LOG)
         self.streams: set = set()  # streams.Stream open now: a handover moves them at once
-        self.admission = Admission(self.pool, settings.admit_kv_share if self.prefix else 0.0, settings.workers)
+        fair = FairShare(tenants.shares) if tenants is not None else None
+        self.admission = Admission(self.pool, settings.admit_kv_share if self.prefix else 0.0, settings.workers, fair)
         self.choose = RoutingLog(settings.routing_log).choose if settings.routing_log and self.prefix else choose
 
     async def open(self) -> None:
@@ -154,20 +166,37 @@ class DataPlane:
         finally:
             if status == CLIENT_CLOSED:  # cancelled: the client left, perhaps with the whole answer
                 status = answered_status(request) or status
-            self.stats.done(status, time.monotonic() - started)
+            now = time.monotonic()
+            self.stats.done(status, now - started)
+            visit = request.get(VISIT)
+            if visit is not None:
+                row = visit.row(status, now)
+                self.tenants.ended(row)
+                self.stats.used(row.project, row.prompt_tokens, row.completion_tokens)
 
     async def answer(self, request: web.BaseRequest) -> web.StreamResponse:
         if request.raw_path == "/health" and request.method == "GET":
             return web.Response()
-        if not self.key.allows(request.headers.get("Authorization")):
-            raise Refusal(401, wire.UNAUTHORIZED)
+        tenant = None
+        if self.tenants is None:
+            if not self.key.allows(request.headers.get("Authorization")):
+                raise Refusal(401, wire.UNAUTHORIZED)
+        else:
+            tenant = self.tenants.identify(request.headers.get("Authorization"), time.time())
+            if tenant is None:
+                raise Refusal(401, wire.UNAUTHORIZED)
         target = request.raw_path
         if not target.startswith("/"):  # an absolute URL or '*': this is no forward proxy
             raise Refusal(400, wire.bad_request(f"the request target must be a path, not {target[:100]!r}"), True)
         body = await self.read_body(request)
         headers = wire.forwarded_headers(request.headers.items())
-        migrates = self.settings.migrations > 0 and request.method == "POST"
-        data = body_json(body, request.headers.get("Content-Type")) if body and (self.prefix or migrates) else None
+        # With tenants, streams carry their token ids (migration.prepare) so that their usage is counted.
+        migrates = (self.settings.migrations > 0 or tenant is not None) and request.method == "POST"
+        parse = body and (self.prefix or migrates or tenant is not None)
+        data = body_json(body, request.headers.get("Content-Type")) if parse else None
+        if tenant is not None:
+            body, data = self.admit_tenant(request, tenant, target, body, data)
+            headers = wire.with_authorization(headers, self.engine_auth)
         affinity = None
         if self.prefix:  # prompts are tokenized only while some engine's KV events are followed
             affinity = wire.request_affinity(request.headers, data, self.tokenizer if self.pool.exact else None)
@@ -175,8 +204,31 @@ class DataPlane:
         if migrates and data is not None:  # a stream that may continue elsewhere asks for its token ids
             prepared = prepare(target, body, data)
             body, migratable = prepared.body, prepared.request
-        async with self.admission.turn(affinity):
+        project, user = (tenant.project or "-", tenant.key_id) if tenant is not None else ("", "")
+        async with self.admission.turn(affinity, project, user):
             return await self.forward(request, target, body, headers, affinity, migratable)
+
+    def admit_tenant(self, request: web.BaseRequest, tenant: Tenant, target: str, body: bytes | None,
+                     data: dict | None) -> tuple[bytes | None, dict | None]:
+        """The tenant's model and limits checked (a Refusal if not), the request counted against its key, and
+        its Visit kept on the request for its usage row. Returns the body (and JSON) to send: with max_tokens
+        set where the key caps it and the request set none."""
+        model = data.get("model") if data is not None else None
+        model = model if isinstance(model, str) else None
+        if model is not None and not tenant.allows_model(model):
+            raise Refusal(403, model_refusal(model, tenant.models or ()))
+        now = time.time()
+        hit = self.tenants.check(tenant, data, now)
+        if hit is not None:
+            status, answer, _ = limit_refusal(hit)
+            raise Refusal(status, answer, retry_after=hit.retry_after_s if hit.retry_after_s is not None else False)
+        cap = missing_max_tokens(tenant.limits, data)
+        if cap is not None:
+            data = {**data, "max_tokens": cap}
+            body = json.dumps(data).encode()
+        self.tenants.began(tenant, now)
+        request[VISIT] = Visit(tenant, target.split("?", 1)[0], model, now, time.monotonic())
+        return body, data
 
     async def read_body(self, request: web.BaseRequest) -> bytes | None:
         if not request.body_exists:
@@ -278,13 +330,25 @@ class DataPlane:
                 raise attempt_failed(exc) from exc
             raise
         out_headers = CIMultiDict(wire.returned_headers(upstream.headers.items()))
+        visit = request.get(VISIT)
         if whole:
             upstream.release()
+            if visit is not None:
+                visit.whole_answer(first)
             return web.Response(status=upstream.status, body=first, headers=out_headers)
+        if visit is not None:
+            visit.first_byte = time.monotonic()
         if migratable is not None and upstream.status == 200:
             response = request[RelayedStream.KEY] = RelayedStream(status=upstream.status, headers=out_headers)
             await response.prepare(request)
-            await Stream(self, response, lease, migratable, headers).run(upstream, first)
+            stream = Stream(self, response, lease, migratable, headers)
+            try:
+                await stream.run(upstream, first)
+            finally:
+                if visit is not None:
+                    progress = stream.current_progress()
+                    generated = None if progress.missing_ids else len(progress.ids)
+                    visit.stream_counts(progress.prompt_ids, generated, stream.migrations > 0)
             await response.write_eof()
             return response
         done = False
@@ -365,8 +429,13 @@ async def serve(settings: Settings, key: str | None, client_sock: socket.socket,
                 admin_path: Path | None = None, peers=None) -> None:
     """One process serving the client port (alone, or as one of several workers: then its admin socket is
     its supervisor's line to it, and peers carry routing knowledge between the workers)."""
-    plane = DataPlane(settings, key)
+    tenancy = TenancySettings.read(settings.tenancy) if settings.tenancy else None
+    tenants = tenant_view(tenancy, key) if tenancy is not None else None
+    plane = DataPlane(settings, key, tenants)
     await plane.open()
+    if tenants is not None:  # users' keys known before the first request
+        tenants.start(asyncio.get_running_loop())
+        await asyncio.to_thread(tenants.loaded.wait, 30)
     clients = web.ServerRunner(ClientServer(plane), handle_signals=False, shutdown_timeout=settings.grace_s)
     admin = web.AppRunner(admin_app(plane), handle_signals=False, access_log=None, shutdown_timeout=1.0)
     await clients.setup()
@@ -388,6 +457,8 @@ async def serve(settings: Settings, key: str | None, client_sock: socket.socket,
     await clients.cleanup()
     await admin.cleanup()
     await plane.close()
+    if tenants is not None:  # the usage rows not yet written
+        await asyncio.to_thread(tenants.stop)
     (admin_path or settings.admin_socket).unlink(missing_ok=True)
     if peers is None:
         log.info("stopped")

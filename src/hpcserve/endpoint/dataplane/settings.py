@@ -41,6 +41,7 @@ class Settings:
     chat_template: Path | None = None  # the engines' --chat-template, where it replaces the model's
     routing_log: Path | None = None  # the prefix policy's choices, one JSON line each (routing_log.py)
     admit_kv_share: float = DEFAULT_SHARE  # prompts in flight above this share of the KV caches: prefills wait
+    tenancy: Path | None = None  # users' keys, limits, usage (tenants.TenancySettings as JSON); None: the key alone
 
 
 def parse_args(argv: list[str], description: str = "") -> Settings:
@@ -79,6 +80,8 @@ def parse_args(argv: list[str], description: str = "") -> Settings:
                         help="the prefix policy with KV events: while the prompts in flight take more than this share "
                         "of the replicas' KV caches, new prefills wait and those whose prefix is cached go first "
                         "(endpoint/dataplane/admission.py; 0: never wait)")
+    parser.add_argument("--tenancy", type=Path, help="a JSON file (tenants.TenancySettings): users' own keys, their "
+                        "limits and the usage record, in the database it names; without it only --key-file's key")
     args = parser.parse_args(argv)
     if args.hold_s < 0 or args.tries < 1 or args.resends < 0 or args.max_connections < 1 or args.max_body_mb <= 0:
         parser.error("--hold-s and --resends must be >= 0, --tries and --max-connections >= 1, --max-body-mb > 0")
@@ -98,4 +101,5 @@ def parse_args(argv: list[str], description: str = "") -> Settings:
                     body_timeout_s=args.body_timeout_s, connect_timeout_s=args.connect_timeout_s,
                     first_byte_timeout_s=args.first_byte_timeout_s, read_timeout_s=args.read_timeout_s,
                     workers=args.workers, tokenizer=args.tokenizer, chat_template=args.chat_template,
-                    migrations=args.migrations, routing_log=args.routing_log, admit_kv_share=args.admit_kv_share)
+                    migrations=args.migrations, routing_log=args.routing_log, admit_kv_share=args.admit_kv_share,
+                    tenancy=args.tenancy)

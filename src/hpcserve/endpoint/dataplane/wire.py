@@ -109,6 +109,14 @@ def forwarded_headers(headers: Iterable[tuple[str, str]]) -> dict[str, str]:
     return out
 
 
+def with_authorization(headers: dict[str, str], authorization: dict[str, str]) -> dict[str, str]:
+    """Forwarded headers with the client's Authorization (any case) replaced: a user's own key stays here,
+    the engines get the deployment's."""
+    out = {name: value for name, value in headers.items() if name.lower() != "authorization"}
+    out.update(authorization)
+    return out
+
+
 def returned_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
     """The engine's response headers the client gets (status, content type, x-request-id, ...)."""
     return [(name, value) for name, value in headers if name.lower() not in NOT_RETURNED]

@@ -1,0 +1,101 @@
+"""The data plane's side of tenancy (hpcserve.tenancy): its settings file, a request's Visit (who sent it,
+for which model, and what its answer used), and the refusals in OpenAI's error shape. The decisions
+themselves are tenancy's (view.TenantView, limits); here they meet the HTTP request.
+
+The settings come as a JSON file (--tenancy FILE, tenancy.settings.TenancySettings), written by the
+controller from the config's tenancy section.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+from hpcserve.endpoint.dataplane import wire
+from hpcserve.tenancy.limits import LimitHit
+from hpcserve.tenancy.records import UsageRow
+from hpcserve.tenancy.settings import TenancySettings
+from hpcserve.tenancy.store import open_store
+from hpcserve.tenancy.view import Tenant, TenantView
+
+USAGE_TAIL = 4096  # vLLM ends a whole answer with its usage: only the tail is searched
+
+
+def tenant_view(settings: TenancySettings, owner_key: str | None) -> TenantView:
+    return TenantView(lambda: open_store(settings.database), owner_key, settings.limits, settings.usage_flush_s,
+                      shares=settings.shares)
+
+
+@dataclass
+class Visit:
+    """One request of a tenant, from its arrival to the end of its answer."""
+
+    tenant: Tenant
+    route: str
+    model: str | None
+    started_at: float  # epoch seconds
+    started: float  # monotonic
+    first_byte: float | None = None  # monotonic: when the answer's first byte went to the client
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    completion_tokens: int | None = None
+    migrated: bool = False
+
+    def whole_answer(self, body: bytes) -> None:
+        """Token counts from a whole answer's `usage` (completions, chat, embeddings)."""
+        self.first_byte = time.monotonic()
+        usage = answer_usage(body)
+        if usage is not None:
+            self.prompt_tokens = _count(usage.get("prompt_tokens"))
+            self.completion_tokens = _count(usage.get("completion_tokens"))
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict):
+                self.cached_tokens = _count(details.get("cached_tokens"))
+
+    def stream_counts(self, prompt_ids: list[int] | None, generated: int | None, migrated: bool) -> None:
+        """A stream's counts, from the token ids it carried (across its migrations: the original prompt, and
+        every token the client got, once)."""
+        self.prompt_tokens = len(prompt_ids) if prompt_ids is not None else None
+        self.completion_tokens = generated
+        self.migrated = migrated
+
+    def row(self, status: int, now: float) -> UsageRow:
+        tenant = self.tenant
+        ttft = self.first_byte - self.started if self.first_byte is not None else None
+        return UsageRow(self.started_at, tenant.key_id, tenant.user, tenant.project, self.model, self.route, status,
+                        self.prompt_tokens, self.cached_tokens, self.completion_tokens, ttft, now - self.started,
+                        self.migrated)
+
+
+def answer_usage(body: bytes) -> dict | None:
+    """The `usage` object of a whole JSON answer, read from its tail, else None."""
+    at = body.rfind(b'"usage"', max(0, len(body) - USAGE_TAIL))
+    if at < 0:
+        return None
+    start = body.find(b"{", at)
+    if start < 0:
+        return None
+    try:
+        usage, _ = json.JSONDecoder().raw_decode(body[start:].decode("utf-8", "replace"))
+    except ValueError:
+        return None
+    return usage if isinstance(usage, dict) else None
+
+
+def _count(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def limit_refusal(hit: LimitHit) -> tuple[int, bytes, dict[str, str] | None]:
+    """status, OpenAI-shaped body, headers (Retry-After for a rate)."""
+    kind = "rate_limit_exceeded" if hit.status == 429 else "invalid_request_error"
+    body = json.dumps({"error": {"message": f"hpcserve endpoint: {hit.message}", "type": kind, "param": hit.limit,
+                                 "code": "rate_limit_exceeded" if hit.status == 429 else "limit_exceeded"}}).encode()
+    headers = {"Retry-After": str(hit.retry_after_s)} if hit.retry_after_s is not None else None
+    return hit.status, body, headers
+
+
+def model_refusal(model: str | None, allowed: tuple[str, ...]) -> bytes:
+    return wire.error_body(f"hpcserve endpoint: this key may not use the model {model!r}; it may use "
+                           f"{', '.join(allowed) or 'none'}", "permission_denied", "model_not_allowed")

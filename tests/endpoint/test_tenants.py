@@ -1,0 +1,154 @@
+"""Users behind the data plane (tenancy): their own keys, revocation on every worker, limits, the usage record
+and per-project metrics. Real data-plane processes (two workers on one port) and a real SQLite store, in front
+of a stand-in engine that demands the deployment's own key: a user's key must never reach it."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+from helpers import free_port
+from router_fixtures import KEY, key_file, start_stubs, stop
+
+from hpcserve.endpoint.control.plane_client import Router
+from hpcserve.endpoint.dataplane.workers import worker_socket
+from hpcserve.tenancy.keyring import add_key, revoke
+from hpcserve.tenancy.records import Limits
+from hpcserve.tenancy.settings import TenancySettings
+from hpcserve.tenancy.store import GroupBy, open_store
+from hpcserve.testing.harness import wait_until
+
+FLUSH_S = 0.2
+
+
+@pytest.fixture(scope="module")
+def plane(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tenants")
+    database = directory / "tenancy.sqlite"
+    settings = directory / "tenancy.json"
+    settings.write_text(json.dumps(TenancySettings(str(database), Limits(max_n=4), FLUSH_S).to_json()))
+    (stub, url), = start_stubs(["a"], directory, token_delay_ms=0)
+    router = Router("127.0.0.1", free_port(), key_file(directory), directory / "plane.log", model="stub",
+                    admin_socket=directory / "plane" / "admin.sock", options=["--tenancy", str(settings)], workers=2)
+    store = open_store(database)
+    try:
+        router.start([url])
+        yield router, store, url
+    finally:
+        router.stop()
+        router.close()
+        store.close()
+        stop(stub)
+
+
+def post(router: Router, key: str, body: dict | None = None, client: httpx.Client | None = None) -> httpx.Response:
+    """A completion on a connection of its own unless a client is given (the kernel picks a worker per
+    connection)."""
+    body = {"model": "stub", "prompt": "hello", "max_tokens": 2, **(body or {})}
+    auth = {"Authorization": f"Bearer {key}"}
+    if client is not None:
+        return client.post(f"{router.url}/v1/completions", headers=auth, json=body)
+    with httpx.Client(timeout=30, trust_env=False) as fresh:
+        return fresh.post(f"{router.url}/v1/completions", headers={**auth, "Connection": "close"}, json=body)
+
+
+def known(router: Router, key: str) -> None:
+    """Wait until every worker knows a new key (each reloads within its poll)."""
+    wait_until(lambda: all(post(router, key).status_code == 200 for _ in range(6)), 5, "the new key to be known")
+
+
+def test_a_users_key_serves_and_the_engine_sees_only_the_deployments(plane):
+    router, store, url = plane
+    key, record = add_key(store, "alice", project="chem")
+    known(router, key)  # the stand-in refuses any key but the deployment's: the user's was replaced
+    assert post(router, KEY).status_code == 200  # the owner's key still serves
+    wrong = key[:-4] + ("AAAA" if not key.endswith("AAAA") else "BBBB")
+    for bad in (wrong, f"hps_{'0' * 16}_whatever", "not-a-key"):
+        answer = post(router, bad)
+        assert answer.status_code == 401 and answer.json()["error"]["code"] == "invalid_api_key", bad
+
+
+def test_a_revoked_key_is_refused_by_every_worker_within_a_second(plane):
+    router, store, _ = plane
+    key, record = add_key(store, "bob")
+    known(router, key)
+    before = refused_per_worker(router)
+    revoke(store, record.key_id)
+    time.sleep(1.0)  # the bound under test: revoked at t, refused everywhere from t + 1 s
+    answers = [post(router, key).status_code for _ in range(20)]
+    assert answers == [401] * 20
+    after = refused_per_worker(router)
+    assert all(a > b for a, b in zip(after, before)), (before, after)  # both workers refused it
+
+
+def refused_per_worker(router: Router) -> list[int]:
+    counts = []
+    for index in range(2):
+        transport = httpx.HTTPTransport(uds=str(worker_socket(router.admin_socket, index)))
+        with httpx.Client(transport=transport, base_url="http://w", timeout=5) as client:
+            counts.append(client.get("/stats").json()["stats"]["codes"].get("401", 0))
+    return counts
+
+
+def test_a_rate_refuses_with_the_limit_named_and_when_it_resets_on_every_worker(plane):
+    router, store, _ = plane
+    key, _ = add_key(store, "carol", limits=Limits(requests_per_minute=3))
+    with httpx.Client(timeout=30, trust_env=False) as client:  # one connection: one worker counts them at once
+        wait_until(lambda: post(router, key, client=client).status_code == 200, 5, "carol's key to be known")
+        assert [post(router, key, client=client).status_code for _ in range(2)] == [200, 200]
+        refused = post(router, key, client=client)
+    assert refused.status_code == 429, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == "requests_per_minute" and error["code"] == "rate_limit_exceeded"
+    assert "requests_per_minute = 3" in error["message"] and "resets" in error["message"]
+    assert 1 <= int(refused.headers["Retry-After"]) <= 120
+    # the other worker knows once the counts are written and read back (usage_flush_s + its poll)
+    time.sleep(FLUSH_S + 1.0)
+    assert [post(router, key).status_code for _ in range(10)] == [429] * 10
+
+
+def test_caps_refuse_what_no_retry_makes_acceptable_and_fill_in_max_tokens(plane):
+    router, store, url = plane
+    key, _ = add_key(store, "dave", limits=Limits(max_tokens=5))
+    known(router, key)
+    # n above the deployment's cap (max_n = 4 for every key), max_tokens above the key's own
+    for body, name in (({"n": 5}, "max_n"), ({"max_tokens": 6}, "max_tokens"), ({"n": 10000}, "max_n")):
+        answer = post(router, key, body)
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == name, answer.text
+        assert f"{name} = " in answer.json()["error"]["message"]
+    # a request without max_tokens goes with the key's cap (else an engine generates to the context's end)
+    assert post(router, key, {"max_tokens": None}).status_code == 200
+    with httpx.Client(timeout=5, trust_env=False) as client:
+        assert client.get(f"{url}/stub/stats").json()["last_body"]["max_tokens"] == 5
+
+
+def test_a_key_for_some_models_is_refused_the_others(plane):
+    router, store, _ = plane
+    key, _ = add_key(store, "erin", models=("llama-70b",))
+    wait_until(lambda: post(router, key).status_code == 403, 5, "erin's key to be known")
+    error = post(router, key).json()["error"]
+    assert error["code"] == "model_not_allowed" and "llama-70b" in error["message"]
+
+
+def test_every_request_has_its_usage_row_and_its_projects_counters(plane):
+    router, store, _ = plane
+    key, record = add_key(store, "frank", project="physics")
+    known(router, key)
+    since, counted = time.time(), project_tokens(router, "physics")
+    answers = [post(router, key, {"prompt": f"usage {i}", "max_tokens": 3}) for i in range(5)]
+    assert all(a.status_code == 200 for a in answers)
+    wait_until(lambda: len([r for r in store.rows(since) if r.user == "frank"]) == 5, 10, "frank's five rows")
+    rows = [r for r in store.rows(since) if r.user == "frank"]
+    assert {(r.key_id, r.project, r.model, r.route, r.status, r.prompt_tokens, r.completion_tokens, r.migrated)
+            for r in rows} == {(record.key_id, "physics", "stub", "/v1/completions", 200, 1, 3, False)}
+    assert all(r.duration_s > 0 and r.ttft_s is not None and 0 < r.ttft_s <= r.duration_s for r in rows)
+    totals = {t.group: t for t in store.usage(GroupBy.PROJECT, since)}
+    assert totals["physics"].requests == 5 and totals["physics"].completion_tokens == 15
+    assert project_tokens(router, "physics") == counted + 15  # /metrics, summed over both workers
+
+
+def project_tokens(router: Router, project: str) -> float:
+    wanted = f'hpcserve_project_tokens_total{{kind="completion",project="{project}"}}'
+    return sum(float(line.split()[-1]) for line in router.metrics().splitlines() if line.startswith(wanted))
