@@ -71,15 +71,18 @@ def start_stubs(directory: Path, tokens: int) -> tuple[list[subprocess.Popen], l
     return procs, urls
 
 
-def start_engines(directory: Path) -> tuple[list[subprocess.Popen], list[str]]:
+def start_engines(directory: Path, cores: tuple[int, ...] = (0, 1), extra: tuple[str, ...] = ()
+                  ) -> tuple[list[subprocess.Popen], list[str]]:
+    """vLLM CPU engines of the builtin tiny model, one per core, guarded by KEY (also for the other
+    benchmarks on real engines: tenancy_fair_share.py, tenancy_usage.py). extra: more vLLM arguments."""
     from hpcserve.models.tiny import tiny_model_path
 
     procs, urls = [], []
-    for core in (0, 1):
+    for core in cores:
         port = free_port()
         argv = [sys.executable, "-m", "hpcserve.engine.vllm_cli", "serve", str(tiny_model_path()),
                 "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-                "--max-model-len", "512"]
+                "--max-model-len", "512", *extra]
         env = {"VLLM_API_KEY": KEY, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core)}
         procs.append(spawn(argv, directory / f"engine-{core}.log", env))
         urls.append(f"http://127.0.0.1:{port}")

@@ -194,3 +194,15 @@ def pytest_runtest_makereport(item, call):
     text = where_to_look([Path(d) for d in dirs]) if dirs else ""
     if text:
         report.sections.append(("where to look", text))
+
+
+@pytest.fixture(scope="session")
+def postgres_url(tmp_path_factory):
+    """One real PostgreSQL server for the session (per pytest-xdist worker), from Debian's packages
+    (hpcserve.testing.postgres; scripts/test.sh installs them before the workers start)."""
+    from hpcserve.testing.postgres import installed_bin, postgres_server
+
+    if installed_bin() is None and os.geteuid() != 0:
+        pytest.skip("PostgreSQL's server is not installed and installing it needs root")
+    with postgres_server(tmp_path_factory.mktemp("postgres")) as url:
+        yield url

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from hpcserve.endpoint.dataplane.admission import AGE_S, Admission, next_admitted
+from hpcserve.endpoint.dataplane.admission import AGE_S, Admission, FairQueue, FairShare, Ticket, next_admitted
 from hpcserve.endpoint.dataplane.routing.table import Affinity, RoutingTable
 from hpcserve.endpoint.dataplane.routing.prefix_index import prompt_blocks
 from hpcserve.endpoint.protocol import BackendSpec
@@ -125,3 +125,60 @@ def test_only_as_many_waiting_requests_are_costed_as_the_choice_needs():
     read.clear()
     assert next_admitted(costs([(600, False, now)] * 100), room=700, idle=False, now=now) == 0
     assert len(read) == 64  # at most SCAN looked at
+
+
+# ------------------------------------------------------------------ fair share (with tenants)
+
+def test_fair_queue_gives_turns_by_weight_and_no_credit_for_idling():
+    queue = FairQueue({"chem": 2.0})
+    turns = []
+    for _ in range(9):
+        name = queue.pick(["phys", "chem"])
+        queue.served(name)
+        turns.append(name)
+    assert turns.count("chem") == 6 and turns.count("phys") == 3  # weight 2 against 1, both waiting all along
+    for _ in range(20):  # bio idles while chem is served alone...
+        queue.served("chem")
+    turns = [queue.pick(["chem", "bio"]) for _ in range(1)]
+    queue.served(turns[0])
+    later = []
+    for _ in range(6):
+        name = queue.pick(["chem", "bio"])
+        queue.served(name)
+        later.append(name)
+    assert later.count("bio") <= 3  # ...and comes back without credit: it shares from now on, no burst
+
+
+def ticket(project: str, user: str) -> Ticket:
+    return Ticket(None, 0.0, project=project, user=user)
+
+
+def test_fair_share_picks_projects_by_share_then_users_within_them():
+    fair = FairShare({"a": 1.0, "b": 1.0})
+    waiting = [ticket("a", "a1")] * 10 + [ticket("a", "a2")] * 10 + [ticket("b", "b1")] * 2
+    picks = []
+    for _ in range(6):
+        project, user = fair.choose(waiting)
+        fair.served(project, user)
+        picks.append((project, user))
+    assert [p for p, _ in picks].count("b") == 3  # the project with one user gets half the turns
+    assert {u for p, u in picks if p == "a"} == {"a1", "a2"}  # a's turns go round its users
+
+
+def test_while_the_replicas_are_full_a_light_user_passes_a_heavy_users_queue():
+    async def scenario():
+        table = RoutingTable()
+        table.update([BackendSpec(A, capacity=1)])  # room for 2 in flight (capacity + 1)
+        admission = Admission(table, 0.0, fair=FairShare({}))
+        heavy = [asyncio.ensure_future(admission.enter(None, "p-heavy", "heavy")) for _ in range(6)]
+        await asyncio.sleep(0)
+        light = asyncio.ensure_future(admission.enter(None, "p-light", "light"))
+        await asyncio.sleep(0)
+        assert sum(t.done() for t in heavy) == 2 and not light.done()  # full: the rest wait here
+        admission.leave(heavy[0].result())  # the first place freed goes to the light user, not the queue
+        await asyncio.sleep(0)
+        assert light.done() and sum(t.done() for t in heavy) == 2
+        for task in heavy:
+            task.cancel()
+
+    asyncio.run(scenario())

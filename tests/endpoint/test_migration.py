@@ -349,6 +349,24 @@ def test_a_record_folds_its_events_and_recovers_the_stream():
     assert progress.anchor == (0, 0)  # no text yet: every token so far may be inside a character
 
 
+def test_a_records_token_counts_are_its_parsed_progress_without_parsing():
+    # the usage record counts every stream at its end: from the raw events, folded or not, as parsing them says
+    for kind, stream in ((m.Kind.COMPLETION, CMPL_IDS_USAGE), (m.Kind.CHAT, CHAT_IDS_USAGE)):
+        events = events_of(stream)
+        for fold in (10**9, 300):  # nothing folded; folded on the way
+            for end in (1, 2, 4, len(events)):
+                record, parsed = m.Record(kind, fold_bytes=fold), m.Record(kind)
+                for event in events[:end]:
+                    record.add(event)
+                    parsed.add(event)
+                progress = parsed.progress()
+                prompt = len(progress.prompt_ids) if progress.prompt_ids is not None else None
+                assert record.token_counts() == (prompt, len(progress.ids)), (kind, fold, end)
+    no_ids = m.Record(m.Kind.COMPLETION)  # an engine that sends no token ids (a stand-in): unknown, not 0
+    no_ids.add(b'data: {"choices":[{"index":0,"text":"x"}]}\n\n')
+    assert no_ids.token_counts() == (None, None)
+
+
 # ------------------------------------------------------------------ what may migrate
 
 def test_prepare_asks_for_token_ids_and_keeps_what_it_needs():

@@ -6,6 +6,7 @@ Run under the heavy lock: flock /tmp/hpcserve-heavy.lock .venv/bin/python -m pyt
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -384,16 +385,19 @@ def _streams_open(router: Router) -> int:
 
 def _run_until(proc: subprocess.Popen, condition, what: str, timeout_s: float = 180, step_s: float = 0.05) -> None:
     """Let a frozen engine (its process group) run in steps of step_s, frozen (SIGSTOP) between them, until
-    condition() holds while it is frozen; it is left frozen. (Left running until the first step, it had finished
-    every stream when a loaded machine took 5 s to start that step's shell.) Between steps the readers catch up with what it sent: a test
-    process starved of CPU (seen: its clients read a stream's 5th event after the engine had made 367 of 400
-    tokens) cannot let a stream run to its end unseen (the condition asks the data plane, not the readers). Each step is one shell's `kill -CONT; sleep; kill -STOP`:
-    timed by this process, a step lasted as long as its thread waited for the GIL among the readers' threads on
-    busy cores (seconds: long enough for a 1,000-token stream to end unseen)."""
-    step = f"kill -s CONT -- -{proc.pid}; sleep {step_s}; kill -s STOP -- -{proc.pid}"
+    condition() holds while it is frozen; it is left frozen. The condition asks the data plane, not this
+    process's readers (starved of CPU, they read a stream's 5th event after the engine had made 367 of 400
+    tokens).
+    Each step is one shell's `kill -CONT; sleep; kill -STOP`, run at real-time priority where this process may
+    (root): timed by this process, or by a shell of ordinary priority, a step lasted up to 3.9 s on a loaded
+    machine, long enough for a stream of 1,500 tokens to end before it was seen. (Left running until the first
+    step, the engine had finished every stream when that step's shell took 5 s to start.)"""
+    step = ["sh", "-c", f"kill -s CONT -- -{proc.pid}; sleep {step_s}; kill -s STOP -- -{proc.pid}"]
+    if os.geteuid() == 0 and shutil.which("chrt"):
+        step = ["chrt", "--fifo", "50", *step]
     deadline = time.monotonic() + timeout_s
     while True:
-        subprocess.run(["sh", "-c", step], check=True)
+        subprocess.run(step, check=True)
         caught_up = time.monotonic() + 1.0
         while time.monotonic() < caught_up:
             if condition():

@@ -19,6 +19,7 @@ from hpcserve.tenancy.records import Limits
 from hpcserve.tenancy.settings import TenancySettings
 from hpcserve.tenancy.store import GroupBy, open_store
 from hpcserve.testing.harness import wait_until
+from hpcserve.testing.postgres import create_database
 
 FLUSH_S = 0.2
 
@@ -152,3 +153,31 @@ def test_every_request_has_its_usage_row_and_its_projects_counters(plane):
 def project_tokens(router: Router, project: str) -> float:
     wanted = f'hpcserve_project_tokens_total{{kind="completion",project="{project}"}}'
     return sum(float(line.split()[-1]) for line in router.metrics().splitlines() if line.startswith(wanted))
+
+
+def test_on_postgresql_keys_revocation_and_usage_work_alike(tmp_path, postgres_url):
+    """The same data plane (two workers) with its store on a real PostgreSQL server, as a service on several
+    hosts would run it: a user's key serves, its rows are written, its revocation reaches both workers."""
+    database = create_database(postgres_url, "plane_test")
+    settings = tmp_path / "tenancy.json"
+    settings.write_text(json.dumps(TenancySettings(database, Limits(max_n=4), FLUSH_S).to_json()))
+    (stub, url), = start_stubs(["pg"], tmp_path, token_delay_ms=0)
+    router = Router("127.0.0.1", free_port(), key_file(tmp_path), tmp_path / "plane.log", model="stub",
+                    admin_socket=tmp_path / "plane" / "admin.sock", options=["--tenancy", str(settings)], workers=2)
+    store = open_store(database)
+    try:
+        router.start([url])
+        key, record = add_key(store, "grace", project="astro")
+        known(router, key)
+        since = time.time()
+        assert all(post(router, key, {"prompt": f"pg {i}"}).status_code == 200 for i in range(4))
+        wait_until(lambda: len([r for r in store.rows(since) if r.user == "grace"]) == 4, 10, "grace's rows")
+        assert {(r.project, r.completion_tokens, r.status) for r in store.rows(since)} == {("astro", 2, 200)}
+        revoke(store, record.key_id)
+        time.sleep(1.0)
+        assert [post(router, key).status_code for _ in range(10)] == [401] * 10
+    finally:
+        router.stop()
+        router.close()
+        store.close()
+        stop(stub)

@@ -1,5 +1,5 @@
 """The embedded default, deployed once for every test that only reads from it (tests/local): `hpcserve up`
-of a copy of examples/local.yaml that changes four things and keeps the rest (the model, vLLM's default
+of a copy of examples/local.yaml that changes five things and keeps the rest (the model, vLLM's default
 compile path, the engine's arguments, local mode, the router in front):
 - name: t-local, not local-tiny, the name the tests look it up by (status, logs, bench, down);
 - serve.port: a free port of its own (helpers.free_port), not 8000, which another process or test of this
@@ -7,7 +7,8 @@ compile path, the engine's arguments, local mode, the router in front):
 - results_dir: the test's temporary folder, not ./results of the checkout (listed in RESULTS_DIRS, where
   to look when a test fails);
 - the key: HPCSERVE_API_KEY set empty for `up`, so that hpcserve generates the key (the file api_key of the
-  run folder, which the tests read) as for a user without the variable, whatever the caller's environment.
+  run folder, which the tests read) as for a user without the variable, whatever the caller's environment;
+- tenancy.self_service: allowed for the two test users (unix_users.py), for the self-service test.
 It is registered in the session's own HPCSERVE_HOME (hpcserve_home). The last test module
 (test_zz_down.py) stops it and checks that nothing it started is still alive."""
 
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from helpers import REPO, RESULTS_DIRS, free_port, process_tree, run_cli, write_config
+from unix_users import ALICE, BOB
 
 NAME = "t-local"
 
@@ -28,7 +30,8 @@ def local_deployment(hpcserve_home, tmp_path_factory):
     RESULTS_DIRS.append(work / "results")
     port = free_port()
     config = write_config(work / "local.yaml", REPO / "examples" / "local.yaml", name=NAME,
-                          serve={"port": port}, results_dir=str(work / "results"))
+                          serve={"port": port}, results_dir=str(work / "results"),
+                          tenancy={"self_service": {"allow": True, "users": [ALICE, BOB]}})
     up = run_cli("up", str(config), "--timeout", "600", env={"HPCSERVE_API_KEY": ""})
     info = {"up": up, "config": config, "port": port, "name": NAME}
     if up.returncode == 0:

@@ -19,20 +19,11 @@ from hpcserve.tenancy.postgres import PostgresStore
 from hpcserve.tenancy.records import KeySource, Limits, UsageRow, new_key
 from hpcserve.tenancy.sqlite import SqliteStore
 from hpcserve.tenancy.store import GroupBy, Store, UsageTotal, WindowCounts, open_store
-from hpcserve.testing.postgres import create_database, installed_bin, postgres_server
+from hpcserve.testing.postgres import create_database
 
 DAY = 86_400
 T0 = 1_700_000_000.0  # 2023-11-14 22:13:20 UTC: its day ends 1 h 46 min later
 _databases = itertools.count()
-
-
-@pytest.fixture(scope="session")
-def postgres_url(tmp_path_factory):
-    """One real PostgreSQL server for the session (per pytest-xdist worker)."""
-    if installed_bin() is None and os.geteuid() != 0:
-        pytest.skip("PostgreSQL's server is not installed and installing it needs root")
-    with postgres_server(tmp_path_factory.mktemp("postgres")) as url:
-        yield url
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

@@ -40,6 +40,9 @@ def redacted(loc: list[str], value: Any) -> Any:
                                                     is_api_key_option(text) else arg))
             hide_next = is_api_key_option(text) and "=" not in text
         return masked
+    if loc[-1:] == ["database"] and isinstance(value, str) and "@" in value:  # user:password@host
+        scheme, _, rest = value.partition("://")
+        return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
     return value
 
 

@@ -327,12 +327,45 @@ class Record:
         self._absorb()
         return self._progress
 
+    def token_counts(self) -> tuple[int | None, int | None]:
+        """(prompt tokens, generated tokens) that the events carried as token ids, without parsing the events
+        not yet folded (a usage record's count, at every stream's end: parsing them all cost the data plane 40 %
+        more CPU per streamed request). None where the ids were not there."""
+        folded = self._progress
+        prompt = len(folded.prompt_ids) if folded.prompt_ids is not None else None
+        generated, seen = len(folded.ids), bool(folded.ids) or folded.prompt_ids is not None
+        for events in self._raw:
+            at = events.find(PROMPT_IDS)
+            if prompt is None and at >= 0:
+                prompt, seen = _list_length(events, at + len(PROMPT_IDS)), True
+            at = events.find(TOKEN_IDS)
+            while at >= 0:
+                start = at + len(TOKEN_IDS)
+                generated += _list_length(events, start)
+                seen = True
+                at = events.find(TOKEN_IDS, start)
+        if folded.missing_ids or not seen:
+            return prompt, None
+        return prompt, generated
+
     def _absorb(self) -> None:
         for events in self._raw:
             for event in split_events(events):
                 self._progress.absorb(event)
         self._raw.clear()
         self._size = 0
+
+
+PROMPT_IDS = b'"prompt_token_ids":['
+TOKEN_IDS = b'"token_ids":['  # the opening quote: never inside "prompt_token_ids"
+
+
+def _list_length(data: bytes, start: int) -> int:
+    """The length of the JSON list of integers that starts at start (just after its '['). Pure."""
+    end = data.find(b"]", start)
+    if end < 0 or end == start:
+        return 0
+    return data.count(b",", start, end) + 1
 
 
 # ------------------------------------------------------------------ the decision and the continuation

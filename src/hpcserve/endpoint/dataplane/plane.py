@@ -346,9 +346,7 @@ class DataPlane:
                 await stream.run(upstream, first)
             finally:
                 if visit is not None:
-                    progress = stream.current_progress()
-                    generated = None if progress.missing_ids else len(progress.ids)
-                    visit.stream_counts(progress.prompt_ids, generated, stream.migrations > 0)
+                    visit.stream_counts(*stream.token_counts(), stream.migrations > 0)
             await response.write_eof()
             return response
         done = False

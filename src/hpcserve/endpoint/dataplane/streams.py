@@ -174,6 +174,15 @@ class Stream:
             self.refused("handover", reason)
         return reason is None
 
+    def token_counts(self) -> tuple[int | None, int | None]:
+        """(prompt, generated) tokens of what the client got: the original prompt, each token once however
+        often the stream moved."""
+        if self.progress is None:
+            return self.record.token_counts()
+        progress = self.progress
+        generated = None if progress.missing_ids else len(progress.ids)
+        return (len(progress.prompt_ids) if progress.prompt_ids is not None else None), generated
+
     def current_progress(self):
         if self.progress is None:
             return self.record.progress()

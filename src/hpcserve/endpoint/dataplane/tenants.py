@@ -53,10 +53,10 @@ class Visit:
             if isinstance(details, dict):
                 self.cached_tokens = _count(details.get("cached_tokens"))
 
-    def stream_counts(self, prompt_ids: list[int] | None, generated: int | None, migrated: bool) -> None:
+    def stream_counts(self, prompt: int | None, generated: int | None, migrated: bool) -> None:
         """A stream's counts, from the token ids it carried (across its migrations: the original prompt, and
         every token the client got, once)."""
-        self.prompt_tokens = len(prompt_ids) if prompt_ids is not None else None
+        self.prompt_tokens = prompt
         self.completion_tokens = generated
         self.migrated = migrated
 

@@ -1,0 +1,162 @@
+"""Fair share on real vLLM: user A (a batch job, many requests in flight) and user B (a few requests a second)
+into one full pool, with the data plane's fair share (tenancy on: A's and B's own keys, projects of equal
+shares) against first come first served (tenancy off: both send the deployment's key, requests queue in the
+engines). Side by side in one run.
+
+    flock /tmp/hpcserve-heavy.lock .venv/bin/python benchmarks/tenancy_fair_share.py [--phase-s 30]
+        [--a-in-flight 24] [--b-rate 0.5] [--tokens 32] [--max-num-seqs 4] [--json F]
+
+Two vLLM CPU engines (the builtin tiny model, one core each, --max-num-seqs, their capacity told to the data
+plane). For each mode, three phases of --phase-s: B alone (an open loop at --b-rate requests/s), A alone (a
+closed loop of --a-in-flight streams), both. Each request is a streamed completion of --tokens tokens
+(ignore_eos). Reported per phase: B's time to first token (p50, p90), and the pool's throughput (completion
+tokens/s of both users, counted from the usage chunk). The figures the issue asks for: B's TTFT p50 with A
+over B's alone (target <= 1.25) and the pool's throughput with B over A alone's (target >= 0.97).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import psutil
+from router import KEY, start_engines
+
+from hpcserve.benchmark.summary import percentile
+from hpcserve.core.net import free_loopback_port as free_port
+from hpcserve.endpoint.control.plane_client import Router
+from hpcserve.tenancy.keyring import add_key
+from hpcserve.tenancy.settings import TenancySettings
+from hpcserve.tenancy.store import open_store
+from hpcserve.testing.harness import stop
+
+MODES = ("fair", "fcfs")
+
+
+async def stream(session: aiohttp.ClientSession, url: str, key: str, tokens: int, index: int, record: dict) -> None:
+    body = {"model": "tiny", "prompt": f"request {index} of the fair share benchmark", "max_tokens": tokens,
+            "ignore_eos": True, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    sent, first = time.perf_counter(), None
+    try:
+        async with session.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as r:
+            async for line in r.content:
+                if first is None and line.startswith(b"data: {") and b'"text"' in line:
+                    first = time.perf_counter()
+                if line.startswith(b"data: {") and b'"usage":{' in line:
+                    record["tokens"] += json.loads(line[6:])["usage"]["completion_tokens"]
+            if r.status != 200 or first is None:
+                record["failed"] += 1
+                return
+    except aiohttp.ClientError:
+        record["failed"] += 1
+        return
+    record["ttft"].append(first - sent)
+
+
+async def phase(url: str, keys: dict[str, str], users: str, args: argparse.Namespace) -> dict:
+    """A closed loop for A and/or an open loop (Poisson) for B, for phase_s; what each got."""
+    records = {u: {"ttft": [], "tokens": 0, "failed": 0} for u in "AB"}
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + args.phase_s
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, trust_env=False,
+                                     timeout=aiohttp.ClientTimeout(total=600)) as session:
+        started = time.perf_counter()
+        tasks = []
+
+        async def a_worker(worker: int) -> None:
+            count = 0
+            while loop.time() < deadline:
+                count += 1
+                await stream(session, url, keys["A"], args.tokens, worker * 100000 + count, records["A"])
+
+        async def b_arrivals() -> None:
+            count, rng = 0, random.Random(7)
+            while loop.time() < deadline:
+                count += 1
+                tasks.append(asyncio.create_task(stream(session, url, keys["B"], args.tokens, count, records["B"])))
+                await asyncio.sleep(rng.expovariate(args.b_rate))
+
+        work = ([a_worker(i) for i in range(args.a_in_flight)] if "A" in users else []) + \
+               ([b_arrivals()] if "B" in users else [])
+        await asyncio.gather(*work)
+        await asyncio.gather(*tasks)
+        wall = time.perf_counter() - started
+    b = records["B"]["ttft"]
+    return {"b_requests": len(b), "b_ttft_p50_s": percentile(b, 50), "b_ttft_p90_s": percentile(b, 90),
+            "a_requests": len(records["A"]["ttft"]), "failed": records["A"]["failed"] + records["B"]["failed"],
+            "tokens_per_s": round((records["A"]["tokens"] + records["B"]["tokens"]) / wall, 1)}
+
+
+async def run(targets: dict[str, tuple[str, dict[str, str]]], args: argparse.Namespace) -> dict:
+    results = {}
+    for mode in MODES:
+        url, keys = targets[mode]
+        await phase(url, keys, "A", argparse.Namespace(**{**vars(args), "phase_s": 5}))  # warm, unmeasured
+        point = {name: await phase(url, keys, users, args) for name, users in
+                 (("B alone", "B"), ("A alone", "A"), ("A and B", "AB"))}
+        point["b_ttft_ratio"] = round(point["A and B"]["b_ttft_p50_s"] / point["B alone"]["b_ttft_p50_s"], 2)
+        point["throughput_ratio"] = round(point["A and B"]["tokens_per_s"] / point["A alone"]["tokens_per_s"], 3)
+        results[mode] = point
+        print(json.dumps({mode: point}), flush=True)
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--phase-s", type=float, default=30.0)
+    parser.add_argument("--a-in-flight", type=int, default=24)
+    parser.add_argument("--b-rate", type=float, default=0.5)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--max-num-seqs", type=int, default=4)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    folder = Path(tempfile.mkdtemp(prefix="hpcserve-fair-bench-"))
+    engines, routers = [], []
+    try:
+        engines, urls = start_engines(folder, extra=("--max-num-seqs", str(args.max_num_seqs)))
+        key_file = folder / "api_key"
+        key_file.write_text(KEY)
+        key_file.chmod(0o600)
+        database = folder / "tenancy.sqlite"
+        store = open_store(database)
+        keys = {"A": add_key(store, "a", project="pa")[0], "B": add_key(store, "b", project="pb")[0]}
+        store.close()
+        settings = folder / "tenancy.json"
+        settings.write_text(json.dumps(TenancySettings(str(database)).to_json()))
+        targets = {}
+        for mode in MODES:
+            router = Router("127.0.0.1", free_port(), key_file, folder / f"plane-{mode}.log", model="tiny",
+                            admin_socket=folder / mode / "admin.sock",
+                            options=["--tenancy", str(settings)] if mode == "fair" else [])
+            routers.append(router)
+            router.start([])
+            for url in urls:
+                router.add(url, capacity=args.max_num_seqs)
+            targets[mode] = (router.url, keys if mode == "fair" else {"A": KEY, "B": KEY})
+        results = asyncio.run(run(targets, args))
+        results["run"] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.node(),
+                          "cores": psutil.cpu_count(), "args": vars(args) | {"json": str(args.json)}}
+        print(json.dumps(results))
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=2))
+    finally:
+        for router in routers:
+            router.stop()
+            router.close()
+        for engine in engines:
+            stop(engine)
+        shutil.rmtree(folder, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,176 @@
+"""What tenancy costs the data plane: users' keys, limits and the usage record on, against the same data plane
+with them off, side by side in one run (alternating blocks, the order flipped every block so that drift of a
+shared machine hits both).
+
+    flock /tmp/hpcserve-heavy.lock .venv/bin/python benchmarks/tenancy_overhead.py [--blocks 6] [--block-s 8]
+        [--users 100] [--clients 64] [--tokens 16] [--json F]
+
+Two stand-in engines (hpcserve.testing.standin, --tokens SSE chunks, no delay) behind two data planes of one
+worker each, the same flags but one with --tenancy: a real SQLite store with --users keys (each with a
+requests-per-minute, tokens-per-minute and tokens-per-day limit far above what the run sends, and the
+default caps), the requests spread over the users' keys; the other with the deployment's key alone. Per
+block, a closed loop of --clients requests in flight (aiohttp in this process), non-streamed then streamed:
+- the data plane's CPU per request (its process's user + system time over the block / requests answered);
+- stream chunks per second received by the clients.
+Prints one line per figure and mode, the ratios on / off, and the whole result as JSON (also --json); the
+usage rows written during the run are counted against the requests answered (each once).
+Processes are started in sessions of their own and stopped by their PIDs; the temporary folder goes at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import psutil
+
+from hpcserve.core.net import free_loopback_port as free_port
+from hpcserve.endpoint.control.plane_client import Router
+from hpcserve.tenancy.keyring import add_key
+from hpcserve.tenancy.records import Limits
+from hpcserve.tenancy.settings import TenancySettings
+from hpcserve.tenancy.store import open_store
+from hpcserve.testing.harness import spawn, stop, wait_until
+
+KEY = "tenancy-bench-key"
+MODES = ("off", "on")
+PROMPT = "The quick brown fox jumps over the lazy dog and keeps running through the"
+
+
+def cpu_seconds(pid: int) -> float:
+    process = psutil.Process(pid)
+    return sum(t.user + t.system for t in (p.cpu_times() for p in [process, *process.children(recursive=True)]))
+
+
+async def block(url: str, pid: int, keys: list[str], clients: int, stream: bool, tokens: int, seconds: float) -> dict:
+    """A closed loop for `seconds`: requests answered, failures, chunks received, the data plane's CPU."""
+    record = {"requests": 0, "failed": 0, "chunks": 0}
+    loop = asyncio.get_running_loop()
+    connector = aiohttp.TCPConnector(limit=clients, limit_per_host=0)
+    async with aiohttp.ClientSession(connector=connector, trust_env=False, auto_decompress=False,
+                                     timeout=aiohttp.ClientTimeout(total=60)) as session:
+        deadline = loop.time() + seconds
+        cpu0, started = cpu_seconds(pid), time.perf_counter()
+
+        async def worker(index: int) -> None:
+            count = 0
+            while loop.time() < deadline:
+                count += 1
+                key = keys[(index * 7919 + count) % len(keys)]
+                body = {"model": "stub", "prompt": f"{PROMPT} {index} {count}", "max_tokens": tokens,
+                        "stream": stream}
+                try:
+                    async with session.post(f"{url}/v1/completions", json=body,
+                                            headers={"Authorization": f"Bearer {key}"}) as answer:
+                        async for chunk in answer.content.iter_any():
+                            record["chunks"] += chunk.count(b"data: {") if stream else 0
+                        ok = answer.status == 200
+                except aiohttp.ClientError:
+                    ok = False
+                record["requests" if ok else "failed"] += 1
+
+        await asyncio.gather(*(worker(i) for i in range(clients)))
+        record.update(wall_s=time.perf_counter() - started, cpu_s=cpu_seconds(pid) - cpu0)
+    return record
+
+
+def summary(blocks: list[dict], stream: bool) -> dict:
+    requests, wall = sum(b["requests"] for b in blocks), sum(b["wall_s"] for b in blocks)
+    figures = {"requests": requests, "failed": sum(b["failed"] for b in blocks),
+               "cpu_ms_per_request": round(1000 * sum(b["cpu_s"] for b in blocks) / max(requests, 1), 4),
+               "req_per_s": round(requests / wall, 1)}
+    if stream:
+        figures["chunks_per_s"] = round(sum(b["chunks"] for b in blocks) / wall, 1)
+    return figures
+
+
+async def measure(targets: dict[str, tuple[str, int, list[str]]], args: argparse.Namespace) -> dict:
+    results = {}
+    for stream in (False, True):
+        for mode in MODES:  # warm connections and caches, unmeasured
+            await block(*targets[mode], args.clients, stream, args.tokens, 1.0)
+        runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
+        for index in range(args.blocks):
+            for mode in MODES[::-1] if index % 2 else MODES:
+                runs[mode].append(await block(*targets[mode], args.clients, stream, args.tokens, args.block_s))
+        point = {mode: summary(runs[mode], stream) for mode in MODES}
+        point["ratio_cpu_per_request"] = round(point["on"]["cpu_ms_per_request"] / point["off"]["cpu_ms_per_request"], 3)
+        if stream:
+            point["ratio_chunks_per_s"] = round(point["on"]["chunks_per_s"] / point["off"]["chunks_per_s"], 3)
+        results["streamed" if stream else "plain"] = point
+        print(json.dumps({"streamed" if stream else "plain": point}), flush=True)
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--blocks", type=int, default=6)
+    parser.add_argument("--block-s", type=float, default=8.0)
+    parser.add_argument("--users", type=int, default=100)
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    folder = Path(tempfile.mkdtemp(prefix="hpcserve-tenancy-bench-"))
+    stubs, routers = [], []
+    try:
+        key_file = folder / "api_key"
+        key_file.write_text(KEY)
+        key_file.chmod(0o600)
+        urls = []
+        for name in ("a", "b"):
+            port = free_port()
+            log = folder / f"stub-{name}.log"
+            stubs.append(spawn([sys.executable, "-m", "hpcserve.testing.standin", "--port", str(port), "--name", name,
+                                "--token-delay-ms", "0", "--tokens", str(args.tokens)], log,
+                               env={"HPCSERVE_STUB_API_KEY": KEY}))
+            urls.append(f"http://127.0.0.1:{port}")
+        database = folder / "tenancy.sqlite"
+        store = open_store(database)
+        limits = Limits(requests_per_minute=10**7, tokens_per_minute=10**9, tokens_per_day=10**12)
+        keys = [add_key(store, f"user{i:03d}", project=f"project{i % 10}", limits=limits)[0] for i in range(args.users)]
+        store.close()
+        settings = folder / "tenancy.json"
+        settings.write_text(json.dumps(TenancySettings(str(database)).to_json()))
+        targets = {}
+        for mode in MODES:
+            options = ["--tenancy", str(settings)] if mode == "on" else []
+            router = Router("127.0.0.1", free_port(), key_file, folder / f"plane-{mode}.log", model="stub",
+                            admin_socket=folder / mode / "admin.sock", options=options)
+            routers.append(router)
+            router.start(urls)
+            targets[mode] = (router.url, router.pid, keys if mode == "on" else [KEY])
+        wait_until(lambda: all(s.poll() is None for s in stubs), 5, "the stand-ins")
+        started = time.time()
+        results = asyncio.run(measure(targets, args))
+        time.sleep(2.5)  # the last usage rows written (usage_flush_s 1 s + the poll)
+        store = open_store(database)
+        rows = len(store.rows(started - 5))
+        store.close()
+        answered_on = sum(results[k]["on"]["requests"] for k in ("plain", "streamed"))
+        results["usage_rows"] = {"rows": rows, "answered_on_with_warmups": answered_on}
+        results["run"] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.node(),
+                          "cores": psutil.cpu_count(), "args": vars(args) | {"json": str(args.json)}}
+        print(json.dumps(results))
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=2))
+    finally:
+        for router in routers:
+            router.stop()
+            router.close()
+        for stub in stubs:
+            stop(stub)
+        shutil.rmtree(folder, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
