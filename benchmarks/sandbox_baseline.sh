@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `hpcserve baseline` on the sandbox as a user runs it (issue 20 part 4): the two-replica example of the
+# `hpcserve baseline` on the sandbox as a user runs it: the two-replica example of the
 # tests (tests/cluster/sandbox-replicas.yaml: two nodes, one replica each) against its single-node cut,
 # the same load on both. Root, a 2-core machine: the sandbox's nodes share its cores.
 #   bash benchmarks/sandbox_baseline.sh OUT_FOLDER [hpcserve baseline options]

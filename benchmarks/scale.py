@@ -1,4 +1,4 @@
-"""The endpoint's control plane at 16, 64, 256 replicas, measured with stand-ins (issue 16).
+"""The endpoint's control plane at 16, 64, 256 replicas, measured with stand-ins.
 
     flock /tmp/hpcserve-heavy.lock .venv/bin/python benchmarks/scale.py --replicas 16,64,256 --json out.json
 

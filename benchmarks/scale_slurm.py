@@ -1,4 +1,4 @@
-"""An endpoint of 32 members as real Slurm jobs on a 32-node sandbox (issue 16): Slurm only, each job
+"""An endpoint of 32 members as real Slurm jobs on a 32-node sandbox: Slurm only, each job
 running a stand-in member (hpcserve.testing.member) instead of Ray and vLLM.
 
     flock /tmp/hpcserve-heavy.lock .venv/bin/python benchmarks/scale_slurm.py [--nodes 32] --json out.json

@@ -1,4 +1,4 @@
-"""What Slurm 22.05 says about when a queued job will start, against when it did (issue 19).
+"""What Slurm 22.05 says about when a queued job will start, against when it did.
 
 On the sandbox (3 nodes): blockers fill every node (one with a 2-minute limit, two with 6), then a
 waiting job is estimated and submitted three ways:

@@ -6,7 +6,7 @@ Per workload: every run (round, seed, policy) with output tok/s, TTFT p50/p99, T
 hit tokens (both replicas, from /metrics), the client's best possible hit tokens and hits / best, failed
 requests and the split over the replicas; then per round (the same seed for every policy) the ratios
 hpcserve / cache_aware and hpcserve / round robin (stress: hpcserve / direct) of output tok/s and TTFT p50,
-with their mean and range; then the targets of issue 28 part 3 with what was measured (--targets: only
+with their mean and range; then the routing targets with what was measured (--targets: only
 those). The workers phase (dataplane_workers.py) gets its own table. Other data planes measured in the
 same rounds (routing_device.sh's hps:prefix@TAG) get their own ratio rows; every policy its hits / best.
 """

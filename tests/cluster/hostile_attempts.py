@@ -1,4 +1,4 @@
-"""What a second, unprivileged user of the cluster tries against someone else's deployment (issue 15).
+"""What a second, unprivileged user of the cluster tries against someone else's deployment.
 
 Run by tests/cluster/test_hostile_user.py as that user, with the system's /usr/bin/python3 and the standard
 library only (the owner's virtual environment is not theirs to use): a JSON plan on stdin, a JSON report of

@@ -1,4 +1,4 @@
-"""One endpoint over many replicas on the sandbox (real Slurm, Ray and vLLM on CPU), issue 11:
+"""One endpoint over many replicas on the sandbox (real Slurm, Ray and vLLM on CPU):
 
 - self-healing (a node lost, an engine killed, each replaced while the other replica serves) is proven
   in tests/cluster/test_adopt.py, together with adopting an endpoint whose controller and router were lost;

@@ -1,4 +1,4 @@
-"""The walltime handover on the sandbox (issue 19): short jobs, a busy partition, load through the
+"""The walltime handover on the sandbox: short jobs, a busy partition, load through the
 endpoint, and not one failed request.
 
 Two replicas (one job each, whole nodes) whose jobs end together; the third node, the only one left for

@@ -1,4 +1,4 @@
-"""A hostile second user of the cluster gets nothing (issue 15).
+"""A hostile second user of the cluster gets nothing.
 
 On a real cluster every other user of the login node and of the compute nodes can list processes, connect
 to any port and read world-readable files. Here a second Unix user (made with useradd, removed afterwards,
@@ -9,7 +9,7 @@ node, it calls every vLLM route of the replica with no key and a wrong one, the 
 admin routes on the router's port (dataplane/admin.py's table: each must get the router's JSON 401; they are
 served on the owner-only admin socket alone), the router's other ports and sockets, the monitor, reads and
 plants files in the run folder and HPCSERVE_HOME, connects to Ray's sockets, GETs / and /metrics on every
-port that listens on the node (issue 31: Ray's Prometheus pages answered there), and reads every process's
+port that listens on the node (Ray's Prometheus pages answered there), and reads every process's
 command line and environment. Every attempt must fail (a route of the engines, the router or the monitor:
 refused with 401 or 403, a timeout or a reset being no refusal; a Unix socket: its connect refused), the
 deployment keeps serving its owner with the backends it had, and none of its folders, Ray's on the node
@@ -471,7 +471,7 @@ def judge_ports(report: dict) -> list[Row]:
     """Nothing on the node answers a stranger's GET / or /metrics: the engine's ports refuse without the key,
     Ray's HTTP ports refuse without its token, the rest speak binary protocols. Ray's Prometheus pages (the
     dashboard agent's metrics export port on every node, the head's API server on 44227) answered 200 with
-    ~1,300 lines before issue 31: actor names, PIDs, the session and job ids, node addresses."""
+    ~1,300 lines once: actor names, PIDs, the session and job ids, node addresses."""
     ports = {k.split("|", 1)[1]: v for k, v in report["http"].items() if k.startswith("port|")}
     answered = sorted(f"{where}: {v['status']} {len((v.get('body') or '').splitlines())}+ lines"
                       for where, v in ports.items() if v.get("status") is not None and 200 <= v["status"] < 400)
@@ -483,7 +483,7 @@ def judge_ports(report: dict) -> list[Row]:
 
 def ray_folder_modes(target: Target) -> Row:
     """Ray's folders in the node's /tmp (node.json names them): none open to others (Ray chmods its temp
-    and session folders 0777; issue 31)."""
+    and session folders 0777)."""
     folders = []
     for member in target.member_dirs:
         for info in member.glob("nodes/*/node.json"):

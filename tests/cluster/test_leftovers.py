@@ -1,4 +1,4 @@
-"""`down` leaves nothing of a deployment outside its results folder, after faults too (issue 31).
+"""`down` leaves nothing of a deployment outside its results folder, after faults too.
 
 On the sandbox (its nodes share this machine's /tmp, as compute nodes share nothing but a node's own /tmp
 on a real cluster: each node's leftovers are in the one /tmp here, beside the login node's): one replica in one Slurm job, its vLLM

@@ -1,5 +1,5 @@
 """An endpoint of 6 members as real Slurm jobs on the sandbox, each job a stand-in member
-(hpcserve.testing.member) instead of Ray and vLLM (issue 16; 32 nodes: benchmarks/scale_slurm.py):
+(hpcserve.testing.member) instead of Ray and vLLM (32 nodes: benchmarks/scale_slurm.py):
 
 - the controller asks Slurm about all of its members with one squeue per 5 s, whatever their number;
 - every member's job gets its successor before its time limit and is drained (a rolling walltime

@@ -129,7 +129,7 @@ def test_unequal_replicas_get_traffic_in_proportion_to_their_capacity(replicas, 
 
 
 def test_down_of_one_member_moves_its_stream_and_the_rest_serves(replicas):
-    """`hpcserve down NAME --member M` (issue 29): the member's open stream continues on the other replica,
+    """`hpcserve down NAME --member M`: the member's open stream continues on the other replica,
     whole, its greedy text that of an uninterrupted run; the member is stopped, not replaced, and the
     endpoint serves on. Last in the module: it leaves one member."""
     key = os.environ["HPCSERVE_API_KEY"]

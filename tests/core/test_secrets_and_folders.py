@@ -1,4 +1,4 @@
-"""Secrets and folders on a filesystem other users share (issue 15): secret files are created fresh, never
+"""Secrets and folders on a filesystem other users share: secret files are created fresh, never
 through a link, read back only when ours alone; folders others can write into are refused; hpcserve's
 own folders are 0700 and never taken over from someone else. Pure checks on fake stats, the rest on
 tmp_path."""

@@ -1,4 +1,4 @@
-"""Adoption's decisions (issue 17), pure: what a new controller does with each member and backend its lost
+"""Adoption's decisions, pure: what a new controller does with each member and backend its lost
 predecessor left running, and which config differences refuse an adoption."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Adoption (issue 17) with the real router and controller in front of stand-in replicas, in seconds.
+"""Adoption with the real router and controller in front of stand-in replicas, in seconds.
 
 The run folder is what a killed controller leaves behind: its state.json lists two serving members (their
 "drivers" are stand-in engines here, found by PID as local members are), the router it started still

@@ -1,4 +1,4 @@
-"""The walltime handover's timing (issue 19): the lead from measured facts, handovers one at a time,
+"""The walltime handover's timing: the lead from measured facts, handovers one at a time,
 projections while a successor waits, and the policy driven through whole job lifetimes on a simulated
 endpoint (a fake ControlPlane with a clock), including the run that lost 338 requests on the sandbox."""
 

@@ -1,4 +1,4 @@
-"""`status` says what clients get while no replica takes requests: holding (issue 31).
+"""`status` says what clients get while no replica takes requests: holding.
 
 The real endpoint process (router's data plane, controller) over stand-in members that take 8 s to serve:
 the only replica's stand-in is killed, so the pool is empty until its replacement serves, and a client's
@@ -88,7 +88,7 @@ def test_status_says_holding_with_the_member_waited_for_and_since_when(hpcserve_
         held.join(timeout=60)
         assert answers == [200]  # held, then answered by the replacement
         back = wait_until(lambda: served_row(), 10, "status: no longer holding, once the replacement serves")
-        # (the lost member's replica stays listed as DOWN, so this reads `degraded`, as before issue 31)
+        # (the lost member's replica stays listed as DOWN, so this reads `degraded`)
         assert back["status"] in ("ready", "degraded") and not back["holding"], back
     finally:
         if record is not None:

@@ -1,4 +1,4 @@
-"""endpoint/dataplane/migration.py, the pure part of continuing a stream on another replica (issue 29). No engine:
+"""endpoint/dataplane/migration.py, the pure part of continuing a stream on another replica. No engine:
 streams recorded from vLLM 0.32 on CPU (the tiny model, greedy; below), and a small stand-in engine
 written after vLLM's streaming code (its detokenizer's UTF-8 and stop-string lags, vllm#48853's leak of the
 prompt text for a prompt that ends inside a character, its events' fields in order), which generates a

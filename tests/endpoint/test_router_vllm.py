@@ -263,7 +263,7 @@ def test_a_stream_cut_anywhere_continues_exactly(engines):
 
 def test_spread_drain_kill_and_add(router, engines):
     """Spread, then a drain that hands a stream over, then kill -9 of an engine under streams and requests:
-    the streams continue on the other engine (issue 29), their greedy text equal to an uninterrupted run's."""
+    the streams continue on the other engine, their greedy text equal to an uninterrupted run's."""
     started, directory = engines
     (proc_a, url_a), (proc_b, url_b) = started
     # spread: a concurrent load reaches both engines

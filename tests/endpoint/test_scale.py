@@ -1,4 +1,4 @@
-"""The endpoint at many replicas (issue 16): the pure parts of what makes a round cost the same at 4 and
+"""The endpoint at many replicas: the pure parts of what makes a round cost the same at 4 and
 at 256 replicas, then the real pieces (stand-in farm, prober, router, controller) at a few dozen.
 
 - vLLM's /metrics read from the lines needed gives what the full Prometheus parse gives;

@@ -1,4 +1,4 @@
-"""KeyGuard, the API key on every route of an engine (issue 15): vLLM's own --api-key leaves /invocations,
+"""KeyGuard, the API key on every route of an engine: vLLM's own --api-key leaves /invocations,
 /tokenize, /metrics and more open. Pure pieces, the middleware in a small Starlette app, and (slow: it
 imports vLLM, about 30 s here) vLLM's own app as `vllm serve --middleware ...` builds it, every route."""
 

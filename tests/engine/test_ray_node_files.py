@@ -1,4 +1,4 @@
-"""Ray's files on a node, on a /tmp every user shares (issue 15): the temp folder's name is random and its
+"""Ray's files on a node, on a /tmp every user shares: the temp folder's name is random and its
 folders are 0700 and ours, a folder or link planted under its name is refused, and the logs copied back
 into the run folder never follow a link. Issue 31: the folders Ray opens (0777) are closed again, and what
 a node killed before its clean-up left is removed by `down`, only where hpcserve named it."""
@@ -59,7 +59,7 @@ def test_copied_logs_keep_links_as_links(tmp_path):
     assert (copied / "evil.log").is_symlink()  # the link itself, not the content it leads to
 
 
-# ---------------------------------------------------------------- issue 31: modes, and what `down` removes
+# ---------------------------------------------------------------- modes, and what `down` removes
 
 def test_folders_ray_opened_are_closed_again(tmp_path):
     node = tmp_path / "hsn1"

@@ -1,4 +1,4 @@
-"""Bad input through the shared local deployment's endpoint (issue "fresh", item 4): malformed requests to
+"""Bad input through the shared local deployment's endpoint: malformed requests to
 the data plane in front of real vLLM on CPU, on /v1/completions and /v1/chat/completions. Each gets a 4xx
 JSON error in OpenAI's shape ({"error": {"message": str, "type": str, "code": ...}}), never a 5xx and never a
 traceback, while a keyed client sends good requests beside them (completions and streamed chat, in a loop

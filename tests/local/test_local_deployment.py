@@ -92,7 +92,7 @@ def test_api_key_required(deployment):
     assert httpx.post(deployment["url"] + "/v1/completions", json=body, timeout=30).status_code == 401
     wrong = {"Authorization": "Bearer wrong"}
     assert httpx.post(deployment["url"] + "/v1/completions", json=body, headers=wrong, timeout=30).status_code == 401
-    replica = deployment["status"]["replicas"][0]["url"]  # the engine itself, every route but /health (issue 15)
+    replica = deployment["status"]["replicas"][0]["url"]  # the engine itself, every route but /health
     for method, path in (("POST", "/invocations"), ("POST", "/tokenize"), ("GET", "/metrics"), ("GET", "/v1/models")):
         assert httpx.request(method, replica + path, json=body, timeout=30).status_code == 401, path
     assert httpx.get(replica + "/health", timeout=30).status_code == 200
@@ -129,8 +129,7 @@ def test_a_one_worker_replica_runs_its_worker_in_the_engine_core(deployment):
 
 def test_no_port_of_the_deployment_answers_without_the_key(deployment):
     """Every TCP port the deployment listens on (router, engine, Ray's daemons and agents), on loopback that
-    every user of the machine reaches: GET / and /metrics without a key or Ray's token answer nothing (issue
-    31: Ray's Prometheus pages answered 200 with actor names, PIDs, the session and job ids)."""
+    every user of the machine reaches: GET / and /metrics without a key or Ray's token answer nothing (    31: Ray's Prometheus pages answered 200 with actor names, PIDs, the session and job ids)."""
     procs = process_tree(json.loads((deployment["run_dir"] / "state.json").read_text())["driver_pid"])
     listening = set()
     for proc in procs:
@@ -171,7 +170,7 @@ def test_the_endpoint_follows_the_engines_kv_events(deployment):
 
 def test_engine_temporary_files_stay_in_the_node_folder(deployment):
     """vLLM's ZMQ IPC sockets and every other temporary file of the engine are in the node's private Ray
-    folder (removed with it), none in the shared /tmp (issue 31: ~60 were left there after `down`)."""
+    folder (removed with it), none in the shared /tmp (~60 were left there after `down`)."""
     member = Path(deployment["status"]["members"][0]["run_dir"])
     node = json.loads(next(member.glob("nodes/*/node.json")).read_text())
     state = json.loads((member / "state.json").read_text())

@@ -73,7 +73,7 @@ def browser():
 
 
 def key_header(deployment: dict) -> dict[str, str]:
-    """The monitor asks for the deployment's key on loopback too (issue 15)."""
+    """The monitor asks for the deployment's key on loopback too."""
     return {"Authorization": f"Bearer {deployment['key']}"}
 
 

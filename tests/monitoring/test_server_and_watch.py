@@ -51,7 +51,7 @@ def test_dashboard_is_package_data_and_fetches_nothing_from_elsewhere():
 
 
 def test_routes(server):
-    # The key is asked on loopback too (issue 15: every user of a login node reaches its loopback).
+    # The key is asked on loopback too (every user of a login node reaches its loopback).
     with httpx.Client(base_url=server.url, timeout=10) as client:
         assert client.get("/api/status").status_code == 401 and client.get("/metrics").status_code == 401
         client.headers["Authorization"] = "Bearer s3cret"

@@ -1,4 +1,4 @@
-"""The model catalogue (issue 12): names resolve to real shapes, agree with the published config.json files
+"""The model catalogue: names resolve to real shapes, agree with the published config.json files
 in tests/data/models, plan without weights, and quantized variants shrink the weights."""
 
 from __future__ import annotations

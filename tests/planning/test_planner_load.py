@@ -1,4 +1,4 @@
-"""The planner under offered load (issue 10): scored at the requests in flight a deployment expects, on the
+"""The planner under offered load: scored at the requests in flight a deployment expects, on the
 H200 measurements of benchmarks/results/gpu.md (run B) and ../shared/gpu/README.md (run A): Llama-3.1-8B shape,
 vLLM 0.26, 512 prompt / 128 output tokens."""
 

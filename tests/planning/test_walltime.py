@@ -1,4 +1,4 @@
-"""A walltime too short for the walltime handover is refused before anything starts (issue 19): by `up`
+"""A walltime too short for the walltime handover is refused before anything starts: by `up`
 (one message, exit 2, nothing started) and by the doctor (a blocker with its fix), from the startup
 measured in the deployment's last run or estimated from the weights, and Slurm's queue estimate."""
 

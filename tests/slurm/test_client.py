@@ -83,7 +83,7 @@ def test_submit_writes_the_script_and_returns_the_job_id(tmp_path):
 
 
 def test_a_held_submission_waits_for_its_release(tmp_path):
-    """`up` submits held, puts the run folder (with the key) in place, then releases (issue 15)."""
+    """`up` submits held, puts the run folder (with the key) in place, then releases."""
     runner = FakeRunner((["sbatch", "--parsable", "--hold"], reply("41\n")), (["scontrol", "release", "41"], reply()))
     client = SlurmClient(runner=runner)
     assert client.submit("#!/bin/bash\n", tmp_path / "work", hold=True) == "41"

@@ -1,4 +1,4 @@
-"""What Slurm 22.05 says about when a job would start (issue 19), on outputs captured from the sandbox by
+"""What Slurm 22.05 says about when a job would start, on outputs captured from the sandbox by
 benchmarks/slurm_queue_estimates.py: `sbatch --test-only` (nothing queued) and squeue's expected start
 of a pending job, as the walltime handover reads them."""
 

@@ -216,7 +216,7 @@ def _evaluate(shape: ModelShape, layout: Layout, cluster: ClusterSpec, s: PlanSe
     peak = layout.replicas * layout.workers_per_replica * tp_eff * pp_eff
     capacity = 0.0 if problems else peak * kv_factor
     offered = throughput.in_flight_per_replica(s.expected_concurrency, s.replica_concurrency, layout.replicas)
-    if offered is None:  # no load given: rank by capacity, as before issue 10
+    if offered is None:  # no load given: rank by capacity
         return Candidate(layout, weights, reserve, max(kv, 0), tokens, concurrency, tp_eff, pp_eff, kv_factor,
                          capacity, tuple(problems), capacity)
     batch = throughput.batch_in_flight(offered, s.max_num_seqs)

@@ -23,7 +23,7 @@ from hpcserve.raycluster.launch import NodeLauncher
 from hpcserve.raycluster.node import STOP_FILE
 from hpcserve.raycluster.ports import PortBlock, free_block
 
-# Ray's Prometheus pages answer anyone who connects, token authentication or not (issue 31: ~1,300 lines of
+# Ray's Prometheus pages answer anyone who connects, token authentication or not (~1,300 lines of
 # actor names, PIDs, node addresses, the session and job ids, each process's CPU and memory). hpcserve reads
 # none of them (its samplers are Ray actors that write into the run folder), so both are closed, on every
 # node and in every process of the deployment (workers and engines inherit the raylet's environment):

@@ -1,4 +1,4 @@
-"""What a deployment keeps in a node's /tmp, and how it is closed to others and removed (issue 31).
+"""What a deployment keeps in a node's /tmp, and how it is closed to others and removed.
 
 Each node's Ray runs in TEMP_ROOT/HOSTNAME (/tmp/hps-UID-RANDOM/HOST: short, since Unix socket paths are
 limited to 107 bytes, and on the node's own disk). Everything else the deployment would put in /tmp goes

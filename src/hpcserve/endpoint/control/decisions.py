@@ -206,7 +206,7 @@ class Estimate:
 def expected_startup(recent: list[Startup], fallback: Estimate) -> Estimate:
     """recent: oldest first. The first members start on an idle endpoint, and a successor starts next to
     a serving replica under load: measured on the sandbox's shared cores, 50 s idle against 212 s under
-    load (issue 19), so idle measurements count only until one under load exists."""
+    load, so idle measurements count only until one under load exists."""
     loaded = [s for s in recent if s.under_load][-STARTUPS_CONSIDERED:]
     if loaded:
         worst = max(s.seconds for s in loaded)

@@ -1,4 +1,4 @@
-"""What clients of an endpoint get while no replica can take their requests (issue 31).
+"""What clients of an endpoint get while no replica can take their requests.
 
 The data plane holds a request while none of its backends can take it (up to serve.hold_s, then 503 with
 Retry-After), so clients wait rather than fail. The controller's state.json may still say `ready` then: in

@@ -1,4 +1,4 @@
-"""A stream's continuation on another replica (issue 29): where it starts, its request, and each of its
+"""A stream's continuation on another replica: where it starts, its request, and each of its
 events made into the client's. No I/O. What the data plane keeps of the first attempt, and whether a
 request may migrate at all: endpoint/dataplane/migration.py.
 

@@ -1,4 +1,4 @@
-"""Continuing a streamed completion on another replica (issue 29, "migrate"): the pure part. No I/O, no
+"""Continuing a streamed completion on another replica: the pure part. No I/O, no
 event loop; the data plane (plane.py, streams.py) does the requests.
 
 When a replica fails mid-stream (connection lost, an error event, finish_reason "abort") or must go (a

@@ -1,5 +1,5 @@
 """A streamed answer, passed on to its client event by event, and continued on another replica when its
-replica fails mid-stream or is handed over (issue 29, "migrate").
+replica fails mid-stream or is handed over.
 
     stream = Stream(plane, response, backend, request, headers)
     await stream.run(upstream, first_chunk)      # ConnectionError: cut (not migratable, or no replica)

@@ -1,4 +1,4 @@
-"""The data plane's migrations in the controller's decisions (issue 29): each round, the streams it moved to
+"""The data plane's migrations in the controller's decisions: each round, the streams it moved to
 another replica since the last round, and those it could not move, one decision each.
 
     migrate        sb-m0's http://10.0.0.5:8001 -> http://10.0.0.6:8001: a chat stream after 37 token(s) (handover)
