@@ -19,24 +19,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
 import random
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
 import aiohttp
-import psutil
 from router import KEY, start_engines
+from tenancy_bench import finish, workspace
 
 from hpcserve.benchmark.summary import percentile
 from hpcserve.core.net import free_loopback_port as free_port
 from hpcserve.endpoint.control.plane_client import Router
 from hpcserve.tenancy.keyring import add_key
-from hpcserve.tenancy.settings import TenancySettings
 from hpcserve.tenancy.store import open_store
-from hpcserve.testing.harness import stop
 
 MODES = ("fair", "fcfs")
 
@@ -119,42 +114,26 @@ def main() -> int:
     parser.add_argument("--max-num-seqs", type=int, default=4)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    folder = Path(tempfile.mkdtemp(prefix="hpcserve-fair-bench-"))
-    engines, routers = [], []
-    try:
-        engines, urls = start_engines(folder, extra=("--max-num-seqs", str(args.max_num_seqs)))
-        key_file = folder / "api_key"
-        key_file.write_text(KEY)
-        key_file.chmod(0o600)
-        database = folder / "tenancy.sqlite"
+    with workspace("hpcserve-fair-bench-") as here:
+        engines, urls = start_engines(here.folder, extra=("--max-num-seqs", str(args.max_num_seqs)))
+        here.processes += engines
+        key_file = here.key_file(KEY)
+        database = here.folder / "tenancy.sqlite"
         store = open_store(database)
         keys = {"A": add_key(store, "a", project="pa")[0], "B": add_key(store, "b", project="pb")[0]}
         store.close()
-        settings = folder / "tenancy.json"
-        settings.write_text(json.dumps(TenancySettings(str(database)).to_json()))
+        settings = here.tenancy(database)
         targets = {}
         for mode in MODES:
-            router = Router("127.0.0.1", free_port(), key_file, folder / f"plane-{mode}.log", model="tiny",
-                            admin_socket=folder / mode / "admin.sock",
+            router = Router("127.0.0.1", free_port(), key_file, here.folder / f"plane-{mode}.log", model="tiny",
+                            admin_socket=here.folder / mode / "admin.sock",
                             options=["--tenancy", str(settings)] if mode == "fair" else [])
-            routers.append(router)
+            here.routers.append(router)
             router.start([])
             for url in urls:
                 router.add(url, capacity=args.max_num_seqs)
             targets[mode] = (router.url, keys if mode == "fair" else {"A": KEY, "B": KEY})
-        results = asyncio.run(run(targets, args))
-        results["run"] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.node(),
-                          "cores": psutil.cpu_count(), "args": vars(args) | {"json": str(args.json)}}
-        print(json.dumps(results))
-        if args.json:
-            args.json.write_text(json.dumps(results, indent=2))
-    finally:
-        for router in routers:
-            router.stop()
-            router.close()
-        for engine in engines:
-            stop(engine)
-        shutil.rmtree(folder, ignore_errors=True)
+        finish(asyncio.run(run(targets, args)), args)
     return 0
 
 

@@ -22,23 +22,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import aiohttp
 import psutil
+from tenancy_bench import finish, workspace
 
 from hpcserve.core.net import free_loopback_port as free_port
 from hpcserve.endpoint.control.plane_client import Router
 from hpcserve.tenancy.keyring import add_key
 from hpcserve.tenancy.records import Limits
-from hpcserve.tenancy.settings import TenancySettings
 from hpcserve.tenancy.store import open_store
-from hpcserve.testing.harness import spawn, stop, wait_until
+from hpcserve.testing.harness import spawn
 
 KEY = "tenancy-bench-key"
 MODES = ("off", "on")
@@ -119,36 +116,29 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    folder = Path(tempfile.mkdtemp(prefix="hpcserve-tenancy-bench-"))
-    stubs, routers = [], []
-    try:
-        key_file = folder / "api_key"
-        key_file.write_text(KEY)
-        key_file.chmod(0o600)
+    with workspace("hpcserve-tenancy-bench-") as here:
+        key_file = here.key_file(KEY)
         urls = []
         for name in ("a", "b"):
             port = free_port()
-            log = folder / f"stub-{name}.log"
-            stubs.append(spawn([sys.executable, "-m", "hpcserve.testing.standin", "--port", str(port), "--name", name,
-                                "--token-delay-ms", "0", "--tokens", str(args.tokens)], log,
-                               env={"HPCSERVE_STUB_API_KEY": KEY}))
+            here.processes.append(spawn([sys.executable, "-m", "hpcserve.testing.standin", "--port", str(port),
+                                         "--name", name, "--token-delay-ms", "0", "--tokens", str(args.tokens)],
+                                        here.folder / f"stub-{name}.log", env={"HPCSERVE_STUB_API_KEY": KEY}))
             urls.append(f"http://127.0.0.1:{port}")
-        database = folder / "tenancy.sqlite"
+        database = here.folder / "tenancy.sqlite"
         store = open_store(database)
         limits = Limits(requests_per_minute=10**7, tokens_per_minute=10**9, tokens_per_day=10**12)
         keys = [add_key(store, f"user{i:03d}", project=f"project{i % 10}", limits=limits)[0] for i in range(args.users)]
         store.close()
-        settings = folder / "tenancy.json"
-        settings.write_text(json.dumps(TenancySettings(str(database)).to_json()))
+        settings = here.tenancy(database)
         targets = {}
         for mode in MODES:
             options = ["--tenancy", str(settings)] if mode == "on" else []
-            router = Router("127.0.0.1", free_port(), key_file, folder / f"plane-{mode}.log", model="stub",
-                            admin_socket=folder / mode / "admin.sock", options=options)
-            routers.append(router)
+            router = Router("127.0.0.1", free_port(), key_file, here.folder / f"plane-{mode}.log", model="stub",
+                            admin_socket=here.folder / mode / "admin.sock", options=options)
+            here.routers.append(router)
             router.start(urls)
             targets[mode] = (router.url, router.pid, keys if mode == "on" else [KEY])
-        wait_until(lambda: all(s.poll() is None for s in stubs), 5, "the stand-ins")
         started = time.time()
         results = asyncio.run(measure(targets, args))
         time.sleep(2.5)  # the last usage rows written (usage_flush_s 1 s + the poll)
@@ -157,18 +147,7 @@ def main() -> int:
         store.close()
         answered_on = sum(results[k]["on"]["requests"] for k in ("plain", "streamed"))
         results["usage_rows"] = {"rows": rows, "answered_on_with_warmups": answered_on}
-        results["run"] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.node(),
-                          "cores": psutil.cpu_count(), "args": vars(args) | {"json": str(args.json)}}
-        print(json.dumps(results))
-        if args.json:
-            args.json.write_text(json.dumps(results, indent=2))
-    finally:
-        for router in routers:
-            router.stop()
-            router.close()
-        for stub in stubs:
-            stop(stub)
-        shutil.rmtree(folder, ignore_errors=True)
+        finish(results, args)
     return 0
 
 

@@ -23,11 +23,8 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
-import shutil
 import signal
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -35,13 +32,12 @@ from pathlib import Path
 import aiohttp
 import psutil
 from router import KEY, start_engines
+from tenancy_bench import finish, workspace
 
 from hpcserve.core.net import free_loopback_port as free_port
 from hpcserve.endpoint.control.plane_client import Router
 from hpcserve.tenancy.keyring import add_key
-from hpcserve.tenancy.settings import TenancySettings
 from hpcserve.tenancy.store import open_store
-from hpcserve.testing.harness import stop
 
 USERS = 10
 FLUSH_S = 1.0
@@ -119,20 +115,17 @@ def main() -> int:
     parser.add_argument("--kill-requests", type=int, default=2000)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    folder = Path(tempfile.mkdtemp(prefix="hpcserve-usage-bench-"))
-    engines, router = [], None
-    try:
-        engines, urls = start_engines(folder)
-        key_file = folder / "api_key"
-        key_file.write_text(KEY)
-        key_file.chmod(0o600)
-        database = folder / "tenancy.sqlite"
+    with workspace("hpcserve-usage-bench-") as here:
+        engines, urls = start_engines(here.folder)
+        here.processes += engines
+        key_file = here.key_file(KEY)
+        database = here.folder / "tenancy.sqlite"
         store = open_store(database)
         users = {add_key(store, f"user{i}")[0]: f"user{i}" for i in range(USERS)}
-        settings = folder / "tenancy.json"
-        settings.write_text(json.dumps(TenancySettings(str(database), usage_flush_s=FLUSH_S).to_json()))
-        router = Router("127.0.0.1", free_port(), key_file, folder / "plane.log", model="tiny", workers=2,
-                        admin_socket=folder / "plane" / "admin.sock", options=["--tenancy", str(settings)])
+        settings = here.tenancy(database, FLUSH_S)
+        router = Router("127.0.0.1", free_port(), key_file, here.folder / "plane.log", model="tiny", workers=2,
+                        admin_socket=here.folder / "plane" / "admin.sock", options=["--tenancy", str(settings)])
+        here.routers.append(router)
         router.start(urls)
         time.sleep(1.5)  # the keys loaded by both workers
         keys = list(users)
@@ -179,19 +172,10 @@ def main() -> int:
                   "bound_answered_in_the_last_flush_window_both_workers": len(window)}
         print(json.dumps({"kill": killed}), flush=True)
         store.close()
-        results = {"count": count, "kill": killed,
-                   "run": {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.node(),
-                           "cores": psutil.cpu_count(), "args": vars(args) | {"json": str(args.json)}}}
-        if args.json:
-            args.json.write_text(json.dumps(results, indent=2, default=dict))
-    finally:
-        if router is not None:
-            router.stop()
-            router.close()
-        for engine in engines:
-            stop(engine)
-        shutil.rmtree(folder, ignore_errors=True)
+        finish({"count": count, "kill": killed}, args)
     return 0
+
+
 
 
 if __name__ == "__main__":

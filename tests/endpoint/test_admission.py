@@ -182,3 +182,26 @@ def test_while_the_replicas_are_full_a_light_user_passes_a_heavy_users_queue():
             task.cancel()
 
     asyncio.run(scenario())
+
+
+def test_a_heavy_user_leaves_a_place_free_for_others_while_they_are_active():
+    async def scenario():
+        table = RoutingTable()
+        table.update([BackendSpec(A, capacity=4)])  # 4 run at once, 5 places
+        admission = Admission(table, 0.0, fair=FairShare({}))
+        first_light = await admission.enter(None, "p-light", "light")
+        heavy = [asyncio.ensure_future(admission.enter(None, "p-heavy", "heavy")) for _ in range(10)]
+        await asyncio.sleep(0)
+        # heavy stops at its share (2 of the 4 the replica runs), one place stays free for the light user
+        assert sum(t.done() for t in heavy) == 2 and admission.admitted == 3
+        second_light = asyncio.ensure_future(admission.enter(None, "p-light", "light"))
+        await asyncio.sleep(0)
+        assert second_light.done()  # at once: a place of the replica's, not a wait behind heavy's queue
+        for ticket in (first_light, second_light.result()):
+            admission.leave(ticket)
+        await asyncio.sleep(0)
+        assert sum(t.done() for t in heavy) == 3  # light quiet but active: heavy takes all but the free place
+        for task in heavy:
+            task.cancel()
+
+    asyncio.run(scenario())

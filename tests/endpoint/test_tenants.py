@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import pytest
@@ -24,12 +26,12 @@ from hpcserve.testing.postgres import create_database
 FLUSH_S = 0.2
 
 
-@pytest.fixture(scope="module")
-def plane(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tenants")
-    database = directory / "tenancy.sqlite"
+@contextmanager
+def tenant_plane(directory: Path, database: str):
+    """A stand-in engine behind a data plane of two workers whose tenancy store is `database`; yields the
+    router, the store and the engine's URL; stops both after."""
     settings = directory / "tenancy.json"
-    settings.write_text(json.dumps(TenancySettings(str(database), Limits(max_n=4), FLUSH_S).to_json()))
+    settings.write_text(json.dumps(TenancySettings(database, Limits(max_n=4), FLUSH_S).to_json()))
     (stub, url), = start_stubs(["a"], directory, token_delay_ms=0)
     router = Router("127.0.0.1", free_port(), key_file(directory), directory / "plane.log", model="stub",
                     admin_socket=directory / "plane" / "admin.sock", options=["--tenancy", str(settings)], workers=2)
@@ -42,6 +44,13 @@ def plane(tmp_path_factory):
         router.close()
         store.close()
         stop(stub)
+
+
+@pytest.fixture(scope="module")
+def plane(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tenants")
+    with tenant_plane(directory, str(directory / "tenancy.sqlite")) as started:
+        yield started
 
 
 def post(router: Router, key: str, body: dict | None = None, client: httpx.Client | None = None) -> httpx.Response:
@@ -158,15 +167,7 @@ def project_tokens(router: Router, project: str) -> float:
 def test_on_postgresql_keys_revocation_and_usage_work_alike(tmp_path, postgres_url):
     """The same data plane (two workers) with its store on a real PostgreSQL server, as a service on several
     hosts would run it: a user's key serves, its rows are written, its revocation reaches both workers."""
-    database = create_database(postgres_url, "plane_test")
-    settings = tmp_path / "tenancy.json"
-    settings.write_text(json.dumps(TenancySettings(database, Limits(max_n=4), FLUSH_S).to_json()))
-    (stub, url), = start_stubs(["pg"], tmp_path, token_delay_ms=0)
-    router = Router("127.0.0.1", free_port(), key_file(tmp_path), tmp_path / "plane.log", model="stub",
-                    admin_socket=tmp_path / "plane" / "admin.sock", options=["--tenancy", str(settings)], workers=2)
-    store = open_store(database)
-    try:
-        router.start([url])
+    with tenant_plane(tmp_path, create_database(postgres_url, "plane_test")) as (router, store, _):
         key, record = add_key(store, "grace", project="astro")
         known(router, key)
         since = time.time()
@@ -176,8 +177,3 @@ def test_on_postgresql_keys_revocation_and_usage_work_alike(tmp_path, postgres_u
         revoke(store, record.key_id)
         time.sleep(1.0)
         assert [post(router, key).status_code for _ in range(10)] == [401] * 10
-    finally:
-        router.stop()
-        router.close()
-        store.close()
-        stop(stub)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from hpcserve.tenancy.records import Limits
 
@@ -27,8 +28,7 @@ class LimitHit:
     retry_after_s: int | None = None
 
 
-@dataclass(frozen=True)
-class Window:
+class Window(NamedTuple):  # one per rated request: a tuple is the cheapest record to make
     """One key's counts: the previous and the current minute, and the UTC day so far."""
 
     previous_requests: int = 0

@@ -43,7 +43,7 @@ class Tenant:
     project: str | None
     limits: Limits
     models: tuple[str, ...] | None = None
-    rated: bool = True  # the owner's key is never limited by a rate
+    rated: bool = True  # limited by a rate (the owner's key never is)
 
     def allows_model(self, model: str | None) -> bool:
         return self.models is None or model in self.models
@@ -58,41 +58,59 @@ class _Counts:
 @dataclass
 class Meter:
     """Per key and epoch minute: what the store holds (read by the thread) plus this worker's own requests not
-    yet written there. Only the event loop touches it."""
+    yet written there (per key: a request looks at its own key's few minutes only). Only the event loop
+    touches it."""
 
     stored: dict[str, dict[int, tuple[int, int]]] = field(default_factory=dict)  # the last two minutes, read
     stored_day: dict[str, int] = field(default_factory=dict)  # tokens of today's minutes before those two
-    own: dict[tuple[str, int], _Counts] = field(default_factory=dict)
+    own: dict[str, dict[int, _Counts]] = field(default_factory=dict)
+
+    def _own(self, key_id: str, minute: int) -> _Counts:
+        minutes = self.own.get(key_id)
+        if minutes is None:
+            minutes = self.own[key_id] = {}
+        counts = minutes.get(minute)
+        if counts is None:
+            counts = minutes[minute] = _Counts()
+        return counts
 
     def began(self, key_id: str, minute: int) -> None:
-        self.own.setdefault((key_id, minute), _Counts()).requests += 1
+        self._own(key_id, minute).requests += 1
 
     def ended(self, key_id: str, minute: int, tokens: int) -> None:
-        self.own.setdefault((key_id, minute), _Counts()).tokens += tokens
+        self._own(key_id, minute).tokens += tokens
 
     def written(self, rows: list[UsageRow]) -> None:
         """These rows are in the store now (and in `stored`, read after they were written)."""
         for row in rows:
-            counts = self.own.get((row.key_id, minute_of(row.started_at)))
+            minutes = self.own.get(row.key_id)
+            minute = minute_of(row.started_at)
+            counts = minutes.get(minute) if minutes is not None else None
             if counts is None:
                 continue
             counts.requests -= 1
             counts.tokens -= row_tokens(row)
             if counts.requests <= 0 and counts.tokens <= 0:
-                del self.own[(row.key_id, minute_of(row.started_at))]
+                del minutes[minute]
+                if not minutes:
+                    del self.own[row.key_id]
 
     def window(self, key_id: str, now: float) -> Window:
         minute = minute_of(now)
-        stored = self.stored.get(key_id, {})
-        own_now = self.own.get((key_id, minute)) or _Counts()
-        own_before = self.own.get((key_id, minute - 1)) or _Counts()
+        stored = self.stored.get(key_id, _NONE)
+        own = self.own.get(key_id, _NONE)
+        own_now, own_before = own.get(minute, _ZERO), own.get(minute - 1, _ZERO)
         now_r, now_t = stored.get(minute, (0, 0))
         before_r, before_t = stored.get(minute - 1, (0, 0))
         day_start = int(now // DAY_S) * DAY_S // 60
-        own_day = sum(c.tokens for (k, m), c in self.own.items() if k == key_id and m >= day_start)
+        own_day = sum(c.tokens for m, c in own.items() if m >= day_start)
         recent_day = sum(t for m, (_, t) in stored.items() if m >= day_start)
         return Window(before_r + own_before.requests, before_t + own_before.tokens, now_r + own_now.requests,
                       now_t + own_now.tokens, self.stored_day.get(key_id, 0) + recent_day + own_day)
+
+
+_NONE: dict = {}
+_ZERO = _Counts()
 
 
 def minute_of(epoch_s: float) -> int:
@@ -115,6 +133,7 @@ class TenantView:
         self.owner_tenant = Tenant(OWNER_KEY_ID, OWNER, None, base_limits, rated=False)
         self.flush_s, self.poll_s = flush_s, poll_s
         self.keys: dict[str, KeyRecord] = {}
+        self.tenants: dict[str, Tenant] = {}  # per key id, its limits merged over the base ones once
         self.meter = Meter()
         self.rows: deque[UsageRow] = deque()  # append here, popleft in the thread: both thread-safe
         self.loaded = threading.Event()  # the first read of the keys is done
@@ -139,14 +158,19 @@ class TenantView:
         record = self.keys.get(key_id)
         if not matches(record, secret) or not record.usable(now):
             return None
-        return Tenant(record.key_id, record.user, record.project, self.base_limits.merged(record.limits),
-                      record.models)
+        return self.tenants[key_id]
 
     def check(self, tenant: Tenant, data: dict | None, now: float) -> LimitHit | None:
         hit = cap_hit(tenant.limits, data)
         if hit is None and tenant.rated:
             hit = rate_hit(tenant.limits, self.meter.window(tenant.key_id, now), now)
         return hit
+
+    def tenant_of(self, record: KeyRecord) -> Tenant:
+        limits = self.base_limits.merged(record.limits)
+        rated = any(v is not None for v in (limits.requests_per_minute, limits.tokens_per_minute,
+                                            limits.tokens_per_day))
+        return Tenant(record.key_id, record.user, record.project, limits, record.models, rated)
 
     def began(self, tenant: Tenant, started_at: float) -> None:
         self.meter.began(tenant.key_id, minute_of(started_at))
@@ -185,10 +209,11 @@ class TenantView:
                 if stopping:
                     store.close()
                     return
-                keys = None
+                keys = tenants = None
                 revision = store.revision()
                 if revision != self.revision:
                     keys = {record.key_id: record for record in store.keys()}
+                    tenants = {key_id: self.tenant_of(record) for key_id, record in keys.items()}
                     self.revision = revision
                 wall = time.time()
                 recent_since = minute_of(wall) - 1
@@ -199,7 +224,7 @@ class TenantView:
                     day = {key: sum(c.tokens for m, c in minutes.items() if m < recent_since)
                            for key, minutes in store.window_counts(day_start).items()}
                     day_before = recent_since
-                self._post(keys, recent, day, written)
+                self._post(keys, tenants, recent, day, written)
             except Exception:  # noqa: BLE001 - the database may be away a while: serve on, try again
                 log.exception("tenancy: the store could not be read or written; trying again in %g s", self.poll_s)
                 if store is not None:
@@ -225,12 +250,12 @@ class TenantView:
             self.written_rows += len(rows)
         return rows
 
-    def _post(self, keys, recent, day, written) -> None:
+    def _post(self, keys, tenants, recent, day, written) -> None:
         stored = {key: {m: (c.requests, c.tokens) for m, c in minutes.items()} for key, minutes in recent.items()}
 
         def apply() -> None:
-            if keys is not None:
-                self.keys = keys
+            if keys is not None:  # the tenants first: a key identified is always found among them
+                self.tenants, self.keys = tenants, keys
             self.meter.stored = stored
             if day is not None:
                 self.meter.stored_day = day

@@ -48,6 +48,8 @@ DEFAULT_SHARE = 0.4
 # The longest a request waits while others (whose prefix is cached) go before it: then it goes first.
 AGE_S = 5.0
 SCAN = 64  # waiting requests looked at for a cached prefix per admission: bounds the work per request end
+RESERVE = 1  # places a user at their fair share leaves free while others are active (per worker)
+ACTIVE_S = 10.0  # a user who sent a request this recently counts as active (sporadic users too)
 
 
 @dataclass(slots=True, eq=False)
@@ -87,11 +89,44 @@ class FairQueue:
 
 
 class FairShare:
-    """Projects weighted by their shares, then the users of each with equal weights."""
+    """Projects weighted by their shares, then the users of each with equal weights: the order of those
+    waiting (`choose`), and who may take a place now (`may_go`): while others are active, a user at or above
+    their share of the replicas' capacity leaves RESERVE places free, so that a request of a user below
+    theirs starts at once in an engine instead of waiting there for one of the heavy user's to end."""
 
     def __init__(self, shares: dict[str, float]):
+        self.shares = shares
         self.projects = FairQueue(shares)
         self.users: dict[str, FairQueue] = {}
+        self.running: dict[tuple[str, str], int] = {}  # requests in flight per (project, user)
+        self.seen: dict[tuple[str, str], float] = {}  # when each last sent a request (monotonic)
+
+    def arrived(self, project: str, user: str, now: float) -> None:
+        self.seen[(project, user)] = now
+        if len(self.seen) > 4 * 4096:  # users long gone
+            self.seen = {who: at for who, at in self.seen.items() if now - at < ACTIVE_S}
+
+    def ended(self, project: str, user: str) -> None:
+        left = self.running.get((project, user), 0) - 1
+        if left > 0:
+            self.running[(project, user)] = left
+        else:
+            self.running.pop((project, user), None)
+
+    def may_go(self, project: str, user: str, admitted: int, capacity: int, slots: int, now: float) -> bool:
+        """Whether a request of this user may take a place now: admitted of slots taken, the replicas
+        running capacity at once. Pure apart from reading the counts."""
+        if admitted >= slots:
+            return False
+        if admitted < capacity - RESERVE:
+            return True
+        active = {who for who, at in self.seen.items() if now - at < ACTIVE_S} | set(self.running)
+        if active <= {(project, user)}:  # alone: everything is theirs (nothing wasted)
+            return True
+        projects = {p for p, _ in active}
+        weight = self.shares.get(project, 1.0) / sum(self.shares.get(p, 1.0) for p in projects)
+        users_here = sum(1 for p, _ in active if p == project)
+        return self.running.get((project, user), 0) < capacity * weight / users_here
 
     def choose(self, waiting: Iterable[Ticket]) -> tuple[str, str]:
         """(project, user) whose request goes next among those waiting (oldest first)."""
@@ -103,6 +138,7 @@ class FairShare:
     def served(self, project: str, user: str) -> None:
         self.projects.served(project)
         self.users.setdefault(project, FairQueue()).served(user)
+        self.running[(project, user)] = self.running.get((project, user), 0) + 1
 
 
 def prefill_cost(pool: RoutingTable, affinity: Affinity | None, now: float) -> tuple[int, bool]:
@@ -157,6 +193,13 @@ class Admission:
             return None
         return max(1, sum(b.capacity + 1 for b in self.pool.active) // self.workers)
 
+    def may_go(self, ticket: Ticket, slots: int | None, now: float) -> bool:
+        """Whether the ticket's user may take a place now (always, without fair share)."""
+        if slots is None:
+            return True
+        capacity = max(1, sum(b.capacity for b in self.pool.active) // self.workers)
+        return self.fair.may_go(ticket.project, ticket.user, self.admitted, capacity, slots, now)
+
     @asynccontextmanager
     async def turn(self, affinity: Affinity | None, project: str = "", user: str = "") -> AsyncIterator[Ticket]:
         """The request's turn: entered at once while there is room, else in its order; left at its end."""
@@ -175,7 +218,9 @@ class Admission:
         if not priced and slots is None:
             self.grant(ticket, 0)
             return ticket
-        if not self.waiting and (slots is None or self.admitted < slots):
+        if self.fair is not None:
+            self.fair.arrived(project, user, now)
+        if not self.waiting and self.may_go(ticket, slots, now):
             cost = prefill_cost(self.pool, affinity, now)[0] if priced else 0
             if not priced or self.admitted == 0 or self.in_flight + cost <= budget:
                 self.grant(ticket, cost)
@@ -211,6 +256,8 @@ class Admission:
         """The request ended (answered, failed, or its client left)."""
         self.in_flight -= ticket.cost
         self.admitted -= 1
+        if self.fair is not None:
+            self.fair.ended(ticket.project, ticket.user)
         self.admit()
 
     def admit(self) -> None:
@@ -224,8 +271,14 @@ class Admission:
                 return
             if slots is not None and self.admitted >= slots:
                 return
-            # with fair share, the requests of the (project, user) whose turn it is; else all, oldest first
-            turn = self.fair.choose(self.waiting) if self.fair is not None else None
+            # with fair share, the requests of the (project, user) whose turn it is among those who may go
+            # now; else all, oldest first
+            turn = None
+            if self.fair is not None:
+                allowed = [t for t in self.waiting if self.may_go(t, slots, now)]
+                if not allowed:
+                    return
+                turn = self.fair.choose(allowed)
             candidates = (range(len(self.waiting)) if turn is None
                           else [i for i, t in enumerate(self.waiting) if (t.project, t.user) == turn])
             costs: list[tuple[int, bool, float]] = []  # computed as next_admitted reads them

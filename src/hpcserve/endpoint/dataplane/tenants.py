@@ -20,6 +20,7 @@ from hpcserve.tenancy.store import open_store
 from hpcserve.tenancy.view import Tenant, TenantView
 
 USAGE_TAIL = 4096  # vLLM ends a whole answer with its usage: only the tail is searched
+_DECODER = json.JSONDecoder()
 
 
 def tenant_view(settings: TenancySettings, owner_key: str | None) -> TenantView:
@@ -77,7 +78,7 @@ def answer_usage(body: bytes) -> dict | None:
     if start < 0:
         return None
     try:
-        usage, _ = json.JSONDecoder().raw_decode(body[start:].decode("utf-8", "replace"))
+        usage, _ = _DECODER.raw_decode(body[start:].decode("utf-8", "replace"))
     except ValueError:
         return None
     return usage if isinstance(usage, dict) else None
