@@ -111,6 +111,19 @@ def joined_router(cfg: DeploymentConfig, paths: RunPaths, key_file: Path | None,
                   joined=Host(spec, host.router_pid))
 
 
+def dataplane_of(record: Record) -> tuple[Path, str | None]:
+    """The admin socket of the data plane that serves this endpoint's model, and the model to ask about
+    there (None: the data plane's own): a joined deployment's is its host's."""
+    paths = RunPaths(Path(record.run_dir))
+    try:
+        cfg = load_config(paths.config)
+        if cfg.serve.join:
+            return RunPaths(Path(load_record(cfg.serve.join).run_dir)).router_admin, cfg.model.name
+    except (HpcserveError, OSError):
+        pass
+    return paths.router_admin, None
+
+
 def joined_deployments(record: Record) -> list[str]:
     """Models of other deployments in this endpoint's data plane now, by their deployments' names where the
     registry knows them ("model (deployment)"). Empty when its data plane does not answer."""
@@ -135,7 +148,10 @@ def joined_deployments(record: Record) -> list[str]:
 
 
 def refuse_down_while_joined(record: Record) -> None:
-    """UsageError while other deployments' models are in this endpoint: its down would cut their clients."""
+    """UsageError while other deployments' models are in this endpoint: its down would cut their clients.
+    (A joined deployment's own down takes only its model out: never refused.)"""
+    if dataplane_of(record)[1] is not None:
+        return
     joined = joined_deployments(record)
     if joined:
         raise UsageError(f"{record.name} serves the models of deployments that joined it: {', '.join(joined)}. "
