@@ -36,7 +36,8 @@ def host_record(folder: Path, name: str, kind: RunKind, router: Router | None = 
     """A registered deployment's run folder as its controller leaves it: its config, its state.json."""
     run_dir = folder / name
     run_dir.mkdir(exist_ok=True)
-    (run_dir / "config.yaml").write_text(config_file(folder, name).read_text())
+    port = {"port": router.port} if router is not None else {}
+    (run_dir / "config.yaml").write_text(config_file(folder, name, **port).read_text())
     endpoint = {"url": router.url, "pid": router.pid} if router is not None else {}
     (run_dir / "state.json").write_text(json.dumps({"status": "ready", "endpoint": endpoint}))
     record = Record(name, "local", str(run_dir), kind=kind)

@@ -109,6 +109,8 @@ def test_the_admin_api_is_scoped_by_model(endpoint):
         stray.backends()
     with pytest.raises(RouterError, match="HTTP 409.*alpha is this data plane's own model"):
         stray._admin_call("DELETE", "/models/alpha")
+    with pytest.raises(RouterError, match="HTTP 409.*cannot join under its name"):
+        stray._admin_call("PUT", "/models/alpha", json={})
     stray.close()
 
 

@@ -151,6 +151,10 @@ class Admin:
         return web.json_response(self.plane.rooms.models(time.monotonic()).to_json())
 
     async def put_model(self, request: web.Request) -> web.Response:
+        own = self.plane.rooms.own
+        if own is not None and request.match_info["name"] == own.name:  # another deployment's would take it over
+            return web.json_response({"error": f"{own.name} is this data plane's own model: another deployment "
+                                      "cannot join under its name"}, status=409)
         try:
             spec = ModelSpec.from_json({**await request.json(), "name": request.match_info["name"]})
             await self.plane.add_model(spec)
