@@ -99,7 +99,7 @@ def test_a_served_name_already_there_is_refused(tmp_path, host):
 
 
 def test_the_hosts_down_is_refused_while_another_model_is_in_it(tmp_path, host):
-    record, router = host
+    _, router = host
     guest = Router(router.host, router.port, None, tmp_path / "guest.log", admin_socket=router.admin_socket,
                    joined=Host(ModelSpec("tiny-b"), lambda: router.pid))
     guest.start([])

@@ -12,7 +12,7 @@ import threading
 import httpx
 import pytest
 from helpers import free_port
-from router_fixtures import KEY, headers, key_file, run_load, start_stubs, stop
+from router_fixtures import headers, key_file, run_load, start_stubs, stop
 from test_migration import client_body
 from test_streams import Engines, client_stream
 
@@ -132,6 +132,7 @@ def test_a_model_joins_and_leaves_while_the_other_serves_without_a_failed_reques
         waiter = threading.Thread(target=lambda: held.update(response=complete(alpha.url, "gamma")))
         waiter.start()
         wait_until(lambda: gamma.backends_json()["held"] >= 1, 10, "gamma's request held")
+        assert alpha.backends_json()["held"] == 0  # held counts are each model's own
         gamma.stop()  # ... and gets 404 when gamma leaves, not its 30 s hold's 503
         waiter.join(10)
         assert not waiter.is_alive() and held["response"].status_code == 404

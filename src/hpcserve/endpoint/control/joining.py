@@ -30,7 +30,12 @@ from hpcserve.core.paths import RunPaths
 from hpcserve.core.registry import Record, list_names, load_record
 from hpcserve.core.runstate import RunState
 from hpcserve.core.statuses import RunKind
-from hpcserve.endpoint.control.plane_client import Host, Router, RouterError, router_serving
+from hpcserve.endpoint.control.plane_client import (
+    Host,
+    Router,
+    RouterError,
+    router_serving,
+)
 from hpcserve.endpoint.protocol import Models, ModelSpec
 
 log = logging.getLogger(__name__)
@@ -63,10 +68,17 @@ class HostEndpoint:
         return handed_on(self.record.run_dir, read_api_key(self.record.run_dir))
 
 
+def join_name(cfg: DeploymentConfig) -> str:
+    """The deployment cfg joins (callers ask only for a config with serve.join)."""
+    if cfg.serve.join is None:
+        raise ConfigError(f"{cfg.name} joins no endpoint (serve.join is not set)")
+    return cfg.serve.join
+
+
 def host_endpoint(cfg: DeploymentConfig) -> HostEndpoint:
     """The endpoint cfg joins, checked now: it exists, is an endpoint of its own (not itself joined), its
     data plane serves, and no model of cfg's served name is there. ConfigError naming the fix otherwise."""
-    name = cfg.serve.join
+    name = join_name(cfg)
     try:
         record = load_record(name)
     except NotFoundError:
@@ -100,11 +112,11 @@ def joined_router(cfg: DeploymentConfig, paths: RunPaths, key_file: Path | None,
                   tokenizer: tuple[str | None, str | None] = (None, None)) -> Router:
     """The controller's Router for a joined deployment: the host's port and admin socket, its model's room.
     tokenizer: the model folder and chat template its prompts are read with (prefix routing by KV events)."""
-    record = load_record(cfg.serve.join)
+    record = load_record(join_name(cfg))
     host_paths = RunPaths(Path(record.run_dir))
     host_cfg = load_config(host_paths.config)
-    tokenizer, template = tokenizer
-    spec = ModelSpec(cfg.model.name, str(cfg.serve.routing), cfg.serve.hold_s, tokenizer, template)
+    folder, template = tokenizer
+    spec = ModelSpec(cfg.model.name, str(cfg.serve.routing), cfg.serve.hold_s, folder, template)
     host = HostEndpoint(record, host_cfg, host_paths)
     return Router(host_cfg.serve.host, host_cfg.serve.port, key_file, paths.router_log, model=cfg.model.name,
                   policy=cfg.serve.routing, admin_socket=host_paths.router_admin, hold_s=cfg.serve.hold_s,
@@ -162,7 +174,7 @@ def leave(cfg: DeploymentConfig, model: str) -> None:
     """The model out of the host's data plane, when its controller could not do it (killed); nothing when
     the host is gone."""
     try:
-        record = load_record(cfg.serve.join)
+        record = load_record(join_name(cfg))
     except NotFoundError:
         return
     host_paths = RunPaths(Path(record.run_dir))

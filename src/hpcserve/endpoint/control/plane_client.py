@@ -173,12 +173,14 @@ class Router:
 
     def _join(self) -> None:
         """Our model into the host's data plane (its room made, or its settings changed), then our backends."""
-        pid = self.joined.find_pid()
+        host = self.joined
+        assert host is not None  # only a joined Router joins
+        pid = host.find_pid()
         if pid is None or not is_router(pid, self.port) or not self._answers(pid):
             raise RouterError(f"the endpoint this deployment joins does not serve on {self.url} now (router pid "
                               f"{pid}); its admin socket: {self.admin_socket}")
         self.pid, self._process = pid, None
-        self._admin_call("PUT", f"{MODELS}/{self.joined.spec.name}", json=self.joined.spec.to_json())
+        self._admin_call("PUT", f"{MODELS}/{host.spec.name}", json=host.spec.to_json())
         self._put()
 
     def attach(self, pid: int | None) -> bool:
@@ -239,11 +241,12 @@ class Router:
     def leave(self) -> None:
         """Our model out of the host's data plane (its running requests finish there); nothing when the
         host's data plane is gone already."""
+        name = self.joined.spec.name if self.joined is not None else self.model
         if self.pid is not None and is_router(self.pid, self.port):
             try:
-                self._admin_call("DELETE", f"{MODELS}/{self.joined.spec.name}")
+                self._admin_call("DELETE", f"{MODELS}/{name}")
             except RouterError as exc:
-                log.warning("could not take model %s out of %s: %s", self.joined.spec.name, self.url, exc)
+                log.warning("could not take model %s out of %s: %s", name, self.url, exc)
         self.pid, self._process = None, None
 
     def close(self) -> None:

@@ -17,7 +17,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from hpcserve.core.files import read_json, write_json
-from hpcserve.core.paths import RunPaths
 from hpcserve.core.registry import Record
 from hpcserve.core.runstate import RunState, read_timeline
 from hpcserve.core.statuses import MemberRole, MemberStatus, RunKind, RunStatus

@@ -68,7 +68,6 @@ class Admin:
         return room
 
     def backends(self, room: Room) -> Backends:
-        plane = self.plane
         now, limits = time.monotonic(), room.pool.index.limits
         return Backends([BackendState(b.url, b.failed_until <= now, b.in_flight, b.capacity, b.saturated,
                                       room.pool.kv_tokens.get(b.url), b.requests, b.failures,
@@ -76,7 +75,7 @@ class Admin:
                                       *self.kv_events(room, b.url))
                          for b in room.pool.active],
                         [RetiredBackend(b.url, b.in_flight, b.handing_over) for b in room.pool.retired.values()],
-                        str(room.policy), room.hold_s, plane.stats.held, len(room.admission.waiting))
+                        str(room.policy), room.hold_s, room.held, len(room.admission.waiting))
 
     def backends_json(self, room: Room) -> dict:
         return self.backends(room).to_json()
@@ -152,7 +151,7 @@ class Admin:
 
     async def put_model(self, request: web.Request) -> web.Response:
         own = self.plane.rooms.own
-        if own is not None and request.match_info["name"] == own.name:  # another deployment's would take it over
+        if request.match_info["name"] == own.name:  # another deployment's would take it over
             return web.json_response({"error": f"{own.name} is this data plane's own model: another deployment "
                                       "cannot join under its name"}, status=409)
         try:
@@ -165,7 +164,7 @@ class Admin:
     async def delete_model(self, request: web.Request) -> web.Response:
         name = request.match_info["name"]
         rooms = self.plane.rooms
-        if rooms.own is not None and name == rooms.own.name:
+        if name == rooms.own.name:
             return web.json_response({"error": f"{name} is this data plane's own model: it leaves only when the "
                                       "data plane stops"}, status=409)
         await self.plane.remove_model(name)  # idempotent: a model not here has left already

@@ -124,12 +124,12 @@ class DataPlane:
         self.urls: dict[tuple[str, str], URL] = {}  # (backend, path) -> parsed URL: a few paths are most requests
         self.streams: set = set()  # streams.Stream open now: a handover moves them at once
         self.fair = FairShare(tenants.shares) if tenants is not None else None  # across all models' admissions
-        self.rooms = Rooms()
-        self.rooms.add(Room(settings.model or "", settings.policy, settings.hold_s, settings.admit_kv_share,
-                            settings.workers, self.fair))
+        self.rooms = Rooms(Room(settings.model or "", settings.policy, settings.hold_s, settings.admit_kv_share,
+                                settings.workers, self.fair))
         self.created = int(time.time())  # what GET /v1/models tells clients of every model
-        prefix_log = settings.routing_log and settings.policy is Routing.PREFIX
-        self.choose = RoutingLog(settings.routing_log).choose if prefix_log else choose
+        self.choose = choose
+        if settings.routing_log and settings.policy is Routing.PREFIX:
+            self.choose = RoutingLog(settings.routing_log).choose
 
     async def open(self) -> None:
         connector = aiohttp.TCPConnector(limit=self.settings.max_connections, limit_per_host=0,
@@ -336,6 +336,7 @@ class DataPlane:
         503; 404 when the model leaves meanwhile."""
         self.stats.holds += 1
         self.stats.held += 1
+        room.held += 1
         try:
             while True:
                 if room.closed:
@@ -358,6 +359,7 @@ class DataPlane:
                     return backend
         finally:
             self.stats.held -= 1
+            room.held -= 1
 
     async def relay(self, request: web.BaseRequest, room: Room, lease: Lease, target: str, body: bytes | None,
                     headers: dict[str, str], migratable: Migratable | None = None) -> web.StreamResponse:

@@ -1,7 +1,7 @@
 """The models behind one data plane: one Room each, chosen per request by the model it names.
 
-    rooms = Rooms()
-    rooms.add(Room("qwen", Routing.PREFIX, 60.0, ...), own=True)   # the model the command line named
+    rooms = Rooms(Room("qwen", Routing.PREFIX, 60.0, ...))   # its own: the model the command line named
+    rooms.add(Room("llama", ...))         # another deployment's model joins
     room = rooms.for_request(data)        # the body's "model"; the only room when there is one
     rooms.remove("llama")                 # its held requests get 404, its running ones finish
 
@@ -48,6 +48,7 @@ class Room:
         self.changed = asyncio.Event()  # replaced after every membership change: held requests wake
         self.migration_log: deque[Migration] = deque(maxlen=MIGRATION_LOG)
         self.closed = False  # removed: held requests leave with 404, none new comes
+        self.held = 0  # its requests held now (what its deployment's `status` calls holding)
 
     def load_tokenizer(self, session, raw_key: str | None, folder: Path | None, template: Path | None) -> str | None:
         """Prompts as the engines' token ids (prefix policy only), and their KV events followed. Returns a
@@ -91,20 +92,22 @@ class NoRoom(Exception):
 
 
 class Rooms:
-    """The data plane's rooms by model name, in join order; the first added is its own."""
+    """The data plane's rooms by model name, in join order; the first is its own (it leaves only when the
+    data plane stops)."""
 
-    def __init__(self) -> None:
-        self.by_name: dict[str, Room] = {}
-        self.own: Room | None = None
-        self.sole: Room | None = None  # the only room, while there is one: requests go there unread
+    def __init__(self, own: Room) -> None:
+        self.own = own
+        self.by_name: dict[str, Room] = {own.name: own}
+        self.sole: Room | None = own  # the only room, while there is one: requests go there unread
 
     def add(self, room: Room) -> None:
         self.by_name[room.name] = room
-        if self.own is None:
-            self.own = room
         self._settle()
 
     def remove(self, name: str) -> Room | None:
+        """The room leaves (the own one never does: None)."""
+        if name == self.own.name:
+            return None
         room = self.by_name.pop(name, None)
         self._settle()
         return room
@@ -121,7 +124,7 @@ class Rooms:
     @property
     def named(self) -> bool:
         """Whether the data plane knows its models' names (it answers GET /v1/models itself)."""
-        return self.own is not None and self.own.name != ""
+        return self.own.name != ""
 
     def names(self) -> list[str]:
         return list(self.by_name)
