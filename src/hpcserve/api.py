@@ -41,6 +41,8 @@ from hpcserve.endpoint import (
     adopt,
     adoptable,
     deployment_status,
+    host_endpoint,
+    refuse_down_while_joined,
     retire,
     start_endpoint,
     stop_deployment,
@@ -66,7 +68,9 @@ def up(config_path: str | Path | DeploymentConfig, on_event: Callable[[Event], N
     source = cfg.name if isinstance(config_path, DeploymentConfig) else str(config_path)
     prepared = prepare(cfg, source)
     results = Path(cfg.results_dir).resolve()
-    key = choose_key(cfg.serve.api_key_env, cfg.serve.insecure_no_api_key)  # every deployment has one
+    # A model that joins another endpoint takes its key: the data plane passes clients' keys to the engines.
+    key = (host_endpoint(cfg).key() if cfg.serve.join
+           else choose_key(cfg.serve.api_key_env, cfg.serve.insecure_no_api_key))  # every deployment has one
     started = time.monotonic()
     record = (start_endpoint(cfg, prepared, results, key, source) if cfg.serve.router
               else launch(cfg, results, key))
@@ -105,6 +109,7 @@ def check(config_path: str | Path, on_event: Callable[[Event], None] | None = No
 def down(name: str, timeout_s: float = 90.0) -> dict:
     record = load_record(name)
     if record.kind is RunKind.ENDPOINT:
+        refuse_down_while_joined(record)  # other deployments' models in its data plane: theirs to take out first
         timeout_s += 90.0  # it stops its members (each up to a minute, in parallel), then the router
     left = stop_deployment(record, timeout_s)
     forget(name)

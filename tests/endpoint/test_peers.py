@@ -39,8 +39,8 @@ def test_each_choice_knows_every_prompt_a_sibling_routed_before_it():
         first_pool, second_pool = pool_of(URLS), pool_of(URLS)
         first_pool.turn = 1  # each worker counts its own turns: alone, they would send prompt n to different replicas
         loop = asyncio.get_running_loop()
-        first.listen(loop, first_pool)
-        second.listen(loop, second_pool)
+        first.listen(loop, lambda url: first_pool if url in first_pool.by_url else None)
+        second.listen(loop, lambda url: second_pool if url in second_pool.by_url else None)
         routed = [first.choosing(choose)(first_pool, Routing.PREFIX, prompt(n), loop.time()).url for n in range(BURST)]
         # no await since: the second worker's loop has not run
         repeats = [second.choosing(choose)(second_pool, Routing.PREFIX, prompt(n), loop.time()).url for n in range(BURST)]

@@ -86,6 +86,9 @@ def deployment_lines(r: api.DeploymentStatus) -> list[str]:
                      "first (serve.admit_kv_share)")
     if r.endpoint:
         lines.append(f"  endpoint {r.endpoint}/v1")
+    if len(r.models) > 1:  # several models behind the URL: each with its state
+        lines.append("  models: " + ", ".join(f"{m['name']} ({m['state']}, {m['healthy']} replica(s))"
+                                              for m in r.models))
     lines += [f"  replica {x['index']}: {x['url']} "
               + ("healthy" if x["healthy"] else f"lost with {x.get('member')}" if x.get("lost") else "DOWN")
               + (f", compile cache {x['compile_cache']}" if x.get("compile_cache", "none") != "none" else "")

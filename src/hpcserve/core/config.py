@@ -208,6 +208,13 @@ class ServeSpec(Strict):
                           "or the only one being replaced), the endpoint holds new requests this long and "
                           "sends them on as soon as one joins; after that they get 503 with Retry-After. "
                           "0: answer 503 at once")
+    join: str | None = Field(None, pattern=NAME_PATTERN, description="the name of a running endpoint "
+                             "deployment of yours: this model joins its URL (and its API key) instead of "
+                             "opening one of its own; requests naming this model's served name come here, with "
+                             "this deployment's own replicas, routing, hold_s, autoscale and handover. "
+                             "serve.host and serve.port then only place this deployment's engines (they take the "
+                             "ports above serve.port). `down` of this deployment takes its model out and leaves the "
+                             "other serving (docs/endpoint.md, Many models behind one URL)")
 
 
 class AutoscaleSpec(Strict):
@@ -382,6 +389,12 @@ class DeploymentConfig(Strict):
         problem = no_key_problem(self.serve, self.cluster)
         if problem:
             raise ValueError(problem)
+        if self.serve.join is not None and not self.serve.router:
+            raise ValueError("serve.join puts this model behind another deployment's endpoint (its router): it "
+                             "needs serve.router true (or remove serve.join)")
+        if self.serve.join == self.name:
+            raise ValueError(f"serve.join '{self.name}' names this deployment itself: name the running endpoint "
+                             "whose URL this model joins")
         if self.executor == "ray" and self.cluster.gpus_per_node == 0:
             raise ValueError("engine.executor 'ray' needs GPUs (vLLM on CPU refuses it): use 'mp' or set cluster.gpus_per_node")
         return self

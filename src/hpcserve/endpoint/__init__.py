@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from hpcserve.endpoint.control.adoption import adopt, adoptable
     from hpcserve.endpoint.control.holding import describe as describe_holding
+    from hpcserve.endpoint.control.joining import host_endpoint, refuse_down_while_joined
     from hpcserve.endpoint.control.policies.member_requests import MEMBER_DOWN_TIMEOUT_S, retire
     from hpcserve.endpoint.control.run import start_endpoint, stop_deployment
     from hpcserve.endpoint.control.status import DeploymentStatus, acknowledge, deployment_status, lost_line
@@ -29,6 +30,8 @@ _SURFACE = {  # name -> (module, name there)
     "adopt": ("hpcserve.endpoint.control.adoption", "adopt"),
     "adoptable": ("hpcserve.endpoint.control.adoption", "adoptable"),
     "describe_holding": ("hpcserve.endpoint.control.holding", "describe"),
+    "host_endpoint": ("hpcserve.endpoint.control.joining", "host_endpoint"),
+    "refuse_down_while_joined": ("hpcserve.endpoint.control.joining", "refuse_down_while_joined"),
     "MEMBER_DOWN_TIMEOUT_S": ("hpcserve.endpoint.control.policies.member_requests", "MEMBER_DOWN_TIMEOUT_S"),
     "retire": ("hpcserve.endpoint.control.policies.member_requests", "retire"),
     "start_endpoint": ("hpcserve.endpoint.control.run", "start_endpoint"),

@@ -12,6 +12,14 @@ The admin API, on the data plane's owner-only Unix socket (clients' port has no 
     GET  /metrics             the data plane's Prometheus text
     GET  /health              -> Health: who serves (the PID a controller checks before trusting the socket)
     GET  /stats               a worker's counters and its /backends (what a supervisor of several merges)
+    GET  /models              -> Models: every model (room) the data plane serves, and its state
+    PUT  /models/NAME         ModelSpec: a model joins (idempotent: its settings change) -> Models
+    DELETE /models/NAME       the model leaves: no new request reaches it, its own run on -> Models
+
+Several models share one data plane (one URL): each is a room of its own (its replicas, routing, admission,
+held requests, migrations). /backends, /handover and /migrations take ?model=NAME (MODEL_PARAM); without
+it they mean the data plane's own model (the one its command line named), so a caller that knows of one
+model only is answered as before.
 
 A malformed request is answered 400 with {"error": "..."}; from_json raises ValueError naming what is wrong.
 """
@@ -32,6 +40,8 @@ MIGRATIONS = "/migrations"
 METRICS = "/metrics"
 HEALTH = "/health"
 STATS = "/stats"
+MODELS = "/models"
+MODEL_PARAM = "model"  # ?model=NAME on /backends, /handover, /migrations: that model's room
 
 MAX_CAPACITY = 1 << 20
 MAX_KV_TOKENS = 1 << 40
@@ -277,3 +287,88 @@ class Health:
     def to_json(self) -> dict:
         data = {"pid": self.pid, "port": self.port}
         return data if self.workers is None else {**data, "workers": self.workers}
+
+
+class ModelState(StrEnum):
+    """A model's state behind the data plane, as GET /v1/models tells clients."""
+
+    SERVING = "serving"  # some replica in its pool may take requests now
+    STARTING = "starting"  # no replica yet (or none healthy): its requests are held up to hold_s, then 503
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """PUT /models/NAME: one model (its served name) and how its own requests are routed and held."""
+
+    name: str
+    policy: str = "least_loaded"
+    hold_s: float = 60.0
+    tokenizer: str | None = None  # its model folder (tokenizer.json): prefix routing by its engines' KV events
+    chat_template: str | None = None
+
+    @classmethod
+    def from_json(cls, data: object) -> ModelSpec:
+        """Raises ValueError naming what is wrong."""
+        if not isinstance(data, dict):
+            raise ValueError("a model is an object with a 'name'")
+        name = data.get("name")
+        if not isinstance(name, str) or not name or len(name) > 512 or any(c in name for c in "\n\r\0"):
+            raise ValueError(f"a model's name must be a non-empty string (its served name), not {str(name)[:80]!r}")
+        hold_s = data.get("hold_s", 60.0)
+        if not isinstance(hold_s, (int, float)) or isinstance(hold_s, bool) or hold_s < 0:
+            raise ValueError(f"hold_s of {name} must be a number >= 0, not {hold_s!r}")
+        policy = data.get("policy", "least_loaded")
+        tokenizer, template = data.get("tokenizer"), data.get("chat_template")
+        for field_name, value in (("policy", policy), ("tokenizer", tokenizer), ("chat_template", template)):
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{field_name} of {name} must be a string, not {value!r}")
+        return cls(name, policy, float(hold_s), tokenizer, template)
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "policy": self.policy, "hold_s": self.hold_s, "tokenizer": self.tokenizer,
+                "chat_template": self.chat_template}
+
+
+@dataclass(frozen=True)
+class ModelRoom:
+    """One model in GET /models: its settings, its replicas in the pool, and whether it is the data plane's
+    own (the one its command line named: it leaves only when the data plane stops)."""
+
+    name: str
+    state: ModelState
+    backends: int
+    healthy: int
+    policy: str
+    hold_s: float
+    own: bool = False
+
+    @classmethod
+    def from_json(cls, data: dict) -> ModelRoom:
+        return cls(data["name"], ModelState(data["state"]), int(data.get("backends") or 0),
+                   int(data.get("healthy") or 0), data.get("policy") or "", float(data.get("hold_s") or 0),
+                   bool(data.get("own")))
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "state": str(self.state), "backends": self.backends, "healthy": self.healthy,
+                "policy": self.policy, "hold_s": self.hold_s, "own": self.own}
+
+
+@dataclass(frozen=True)
+class Models:
+    """GET /models (and the answer to PUT and DELETE /models/NAME): the data plane's models, in join order."""
+
+    models: list[ModelRoom]
+
+    @classmethod
+    def from_json(cls, data: dict) -> Models:
+        return cls([ModelRoom.from_json(m) for m in data.get("models", [])])
+
+    def to_json(self) -> dict:
+        return {"models": [m.to_json() for m in self.models]}
+
+    def names(self) -> list[str]:
+        return [m.name for m in self.models]
+
+    def joined(self) -> list[str]:
+        """The models that joined the data plane's own (their deployments keep it serving)."""
+        return [m.name for m in self.models if not m.own]

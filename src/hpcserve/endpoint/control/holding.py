@@ -8,7 +8,9 @@ says what clients get: it asks the data plane (GET /backends on its admin socket
 when no backend there can take a request the endpoint is `holding`, with the requests held now, the
 member(s) it waits for and since when.
 
-    read_backends(admin_socket)             the data plane's answer, or None where it does not answer
+    read_backends(admin_socket, model)      the data plane's answer (for one model's room), or None where it
+                                            does not answer
+    read_models(admin_socket)               every model the data plane serves, with its state (GET /models)
     holding(answer, members, decisions)     None while a backend can take requests, else what clients get
     describe(hold, now)                     one line for `hpcserve status`
 """
@@ -21,20 +23,30 @@ from pathlib import Path
 import httpx
 
 from hpcserve.core.statuses import MemberStatus
-from hpcserve.endpoint.protocol import BACKENDS, Backends
+from hpcserve.endpoint.protocol import BACKENDS, MODEL_PARAM, MODELS, Backends
 
 ASK_TIMEOUT_S = 2.0
 
 
-def read_backends(admin_socket: Path, timeout_s: float = ASK_TIMEOUT_S) -> dict | None:
-    """GET /backends of the data plane (protocol.Backends' JSON); None when its socket does not answer
-    (stopped, restarting)."""
+def read_backends(admin_socket: Path, model: str | None = None, timeout_s: float = ASK_TIMEOUT_S) -> dict | None:
+    """GET /backends of the data plane (protocol.Backends' JSON), of one model's room (None: its own);
+    None when its socket does not answer (stopped, restarting)."""
+    return _ask(admin_socket, BACKENDS, {MODEL_PARAM: model} if model else {}, timeout_s)
+
+
+def read_models(admin_socket: Path, timeout_s: float = ASK_TIMEOUT_S) -> list[dict] | None:
+    """GET /models of the data plane: each model (protocol.ModelRoom's JSON); None when it does not answer."""
+    answer = _ask(admin_socket, MODELS, {}, timeout_s)
+    return answer.get("models") if answer else None
+
+
+def _ask(admin_socket: Path, path: str, params: dict, timeout_s: float) -> dict | None:
     if not Path(admin_socket).exists():
         return None
     transport = httpx.HTTPTransport(uds=str(admin_socket))
     try:
         with httpx.Client(transport=transport, base_url="http://router", timeout=timeout_s, trust_env=False) as c:
-            answer = c.get(BACKENDS)
+            answer = c.get(path, params=params)
             return answer.json() if answer.status_code == 200 else None
     except (httpx.HTTPError, ValueError, OSError):
         return None

@@ -81,11 +81,11 @@ MEMBER_FIELDS = tuple(f.name for f in fields(Member))
 def member_config(cfg: DeploymentConfig, name: str, slot: int, layout: Layout, results_dir: Path,
                   group: int = 0) -> DeploymentConfig:
     """The deployment a member runs: the endpoint's (changed as its replica group says), with its own
-    name, ports and results folder, and no router, autoscaler or groups of its own. On Slurm its engines
+    name, ports and results folder, and no router, join, autoscaler or groups of its own. On Slurm its engines
     listen on every address of their node (the router on the submit host must reach them); the API key
     guards them."""
     serve = cfg.serve.model_copy(update={
-        "router": False, "port": cfg.serve.port + 1 + slot * PORTS_PER_MEMBER,
+        "router": False, "join": None, "port": cfg.serve.port + 1 + slot * PORTS_PER_MEMBER,
         "host": "0.0.0.0" if cfg.cluster.scheduler == "slurm" else cfg.serve.host})
     cluster, engine = cfg.cluster, cfg.engine
     if group:

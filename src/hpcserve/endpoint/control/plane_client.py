@@ -11,6 +11,11 @@ driven over its admin socket by the controller.
     router.attach(pid)              # a new controller takes over a data plane that kept running
     router.stop()                   # SIGTERM to its process group by recorded PID, then SIGKILL
 
+A deployment that joins another's endpoint (serve.join) drives that data plane's room for its own model
+only: Router(..., joined=Host(...)). start() registers its model there (PUT /models/NAME) instead of
+starting a process, every call is scoped to its model (?model=NAME), and stop() takes its model out
+(DELETE /models/NAME) and leaves the data plane and the other models serving.
+
 What it sends and reads is endpoint.protocol's (the admin API, typed once for both rooms).
 The controller owns the list: every change sends the whole desired set (PUT /backends, idempotent), so a
 lost update is repaired by the next one. The admin socket is a Unix socket in an owner-only folder: only
@@ -21,15 +26,16 @@ is what only it sees: membership after a real completion, the engines' /metrics,
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
@@ -45,6 +51,8 @@ from hpcserve.endpoint.protocol import (
     HEALTH,
     METRICS,
     MIGRATIONS,
+    MODEL_PARAM,
+    MODELS,
     MODULE,
     PROCESS_TITLE,
     Backends,
@@ -54,10 +62,14 @@ from hpcserve.endpoint.protocol import (
     HandingOver,
     Handover,
     Health,
+    Models,
+    ModelSpec,
 )
 from hpcserve.engine.capacity import DEFAULT_MAX_NUM_SEQS
 from hpcserve.engine.client import completion_probe, health_ok
 from hpcserve.engine.metrics import EngineLoad, engine_load, is_drained
+
+log = logging.getLogger(__name__)
 
 POLL_S = 0.05
 HEALTH_CHECKS_AT_ONCE = 16  # apply(): /health of joining backends asked at once
@@ -73,12 +85,22 @@ def default_workers(cores: int | None = None) -> int:
     return max(1, min(8, (cores if cores is not None else os.cpu_count() or 1) // 4))
 
 
+@dataclass(frozen=True)
+class Host:
+    """The endpoint a joined deployment's model lives in: its model's settings there, and where to find the
+    data plane's PID now (the host's state.json: it changes when the host's controller restarts it)."""
+
+    spec: ModelSpec
+    find_pid: Callable[[], int | None]
+
+
 def dataplane_argv(host: str, port: int, api_key_file: Path | None, admin_socket: Path, policy: Routing,
                    hold_s: float, options: Sequence[str] = (), python: str = sys.executable,
-                   workers: int = 1) -> list[str]:
+                   workers: int = 1, model: str | None = None) -> list[str]:
     """The data plane's command line: no secret on it (the key is read from its 0600 file)."""
     argv = [python, "-m", MODULE, "--host", host, "--port", str(port), "--admin-socket", str(admin_socket),
             "--policy", str(policy), "--hold-s", f"{hold_s:g}"] + (["--workers", str(workers)] if workers > 1 else [])
+    argv += ["--model", model] if model else []
     return argv + (["--key-file", str(api_key_file)] if api_key_file else []) + list(options)
 
 
@@ -88,11 +110,16 @@ class Router:
 
     def __init__(self, host: str, port: int, api_key_file: Path | None, log_path: Path, model: str | None = None,
                  policy: Routing | str = Routing.LEAST_LOADED, admin_socket: Path | None = None, hold_s: float = 60.0,
-                 options: Sequence[str] = (), python: str = sys.executable, workers: int = 1):
+                 options: Sequence[str] = (), python: str = sys.executable, workers: int = 1,
+                 joined: Host | None = None):
         """api_key_file: a mode-0600 file with the key clients must send (and the engines expect); None
-        leaves the endpoint open. model: the served name, for probe(). admin_socket: default beside the
-        log, in an owner-only folder. options: more data plane flags (its limits; tests and benchmarks)."""
+        leaves the endpoint open. model: the served name, for probe() and the data plane's own model.
+        admin_socket: default beside the log, in an owner-only folder. options: more data plane flags (its
+        limits; tests and benchmarks). joined: the model joins another deployment's data plane (host, port
+        and admin_socket are that one's) instead of starting one."""
         self.host, self.port, self.model, self.hold_s = host, port, model, hold_s
+        self.joined = joined
+        self._scope = {MODEL_PARAM: joined.spec.name} if joined is not None else {}
         self.policy = Routing(policy)
         self.api_key_file = Path(api_key_file) if api_key_file else None
         self.log_path = Path(log_path)
@@ -122,9 +149,12 @@ class Router:
         with self._lock:
             self._desired = {url: self._desired.get(url) or BackendSpec(url) for url in _urls(backends)}
         self._key = self.api_key_file.read_text().strip() if self.api_key_file else None
+        if self.joined is not None:
+            self._join()
+            return
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         argv = dataplane_argv(self.host, self.port, self.api_key_file, self.admin_socket, self.policy, self.hold_s,
-                              self.options, self.python, self.workers)
+                              self.options, self.python, self.workers, self.model)
         with open(self.log_path, "ab") as log:
             self._process = psutil.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                          start_new_session=True)
@@ -141,20 +171,44 @@ class Router:
             time.sleep(POLL_S)
         self._put()
 
+    def _join(self) -> None:
+        """Our model into the host's data plane (its room made, or its settings changed), then our backends."""
+        host = self.joined
+        assert host is not None  # only a joined Router joins
+        pid = host.find_pid()
+        if pid is None or not is_router(pid, self.port) or not self._answers(pid):
+            raise RouterError(f"the endpoint this deployment joins does not serve on {self.url} now (router pid "
+                              f"{pid}); its admin socket: {self.admin_socket}")
+        self.pid, self._process = pid, None
+        self._admin_call("PUT", f"{MODELS}/{host.spec.name}", json=host.spec.to_json())
+        self._put()
+
     def attach(self, pid: int | None) -> bool:
         """Take over a data plane that outlived its controller (same port, same admin socket): True when
         that PID is our router on this port and answers on the admin socket. It keeps serving; its
-        backends become this Router's desired set (the caller then sets the set it wants)."""
+        backends become this Router's desired set (the caller then sets the set it wants). Joined: the
+        host's data plane as it runs now (pid is ignored), our model's room made again if it lost it."""
+        if self.joined is not None:
+            pid = self.joined.find_pid()
         if pid is None or not is_router(pid, self.port) or not self._answers(pid):
             return False
         self._key = self.api_key_file.read_text().strip() if self.api_key_file else None
         self.pid, self._process = pid, None
+        if self.joined is not None:
+            self._admin_call("PUT", f"{MODELS}/{self.joined.spec.name}", json=self.joined.spec.to_json())
         with self._lock:
             self._desired = {b.url: b.spec for b in self.backends()}
         return True
 
     def alive(self) -> bool:
+        """Our data plane runs (joined: the host's, the same process as when our model joined it)."""
+        if self.joined is not None and self.pid is not None and self.joined.find_pid() != self.pid:
+            return False  # the host restarted its data plane: our model must join the new one
         return self.pid is not None and is_router(self.pid, self.port)
+
+    def models(self) -> Models:
+        """Every model the data plane serves (GET /models)."""
+        return Models.from_json(self._admin_call("GET", MODELS).json())
 
     def probe(self, timeout_s: float = 60.0) -> str:
         """A real completion through the endpoint (needs `model`); its text. Raises httpx errors or
@@ -171,6 +225,10 @@ class Router:
             return False
 
     def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the data plane; joined: take our model out of the host's and leave it serving the others."""
+        if self.joined is not None:
+            self.leave()
+            return
         if self.pid is not None:
             stop_router(self.pid, timeout_s, self.port)
         if self._process is not None:
@@ -178,6 +236,17 @@ class Router:
                 self._process.wait(timeout=1)  # reap it: no zombie left behind
             except psutil.TimeoutExpired:
                 pass
+        self.pid, self._process = None, None
+
+    def leave(self) -> None:
+        """Our model out of the host's data plane (its running requests finish there); nothing when the
+        host's data plane is gone already."""
+        name = self.joined.spec.name if self.joined is not None else self.model
+        if self.pid is not None and is_router(self.pid, self.port):
+            try:
+                self._admin_call("DELETE", f"{MODELS}/{name}")
+            except RouterError as exc:
+                log.warning("could not take model %s out of %s: %s", name, self.url, exc)
         self.pid, self._process = None, None
 
     def close(self) -> None:
@@ -319,7 +388,7 @@ class Router:
 
     def _admin_call(self, method: str, path: str, **kwargs) -> httpx.Response:
         try:
-            response = self._admin.request(method, path, **kwargs)
+            response = self._admin.request(method, path, params=self._scope, **kwargs)
         except httpx.HTTPError as exc:
             raise RouterError(f"the router's admin socket {self.admin_socket} did not answer {method} {path}: "
                               f"{exc}") from exc

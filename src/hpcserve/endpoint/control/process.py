@@ -33,6 +33,7 @@ from hpcserve.core.statuses import MemberRole, MemberStatus, RunStatus, Stage
 from hpcserve.deployment.process import install_stop_handlers, process_main, run_to_end
 from hpcserve.deployment.runs import Launcher
 from hpcserve.endpoint.control.controller import MEMBER_STOP_TIMEOUT_S, TICK_S, Controller
+from hpcserve.endpoint.control.joining import joined_router
 from hpcserve.endpoint.control.members import Member, group_layouts
 from hpcserve.endpoint.control.plane_client import Router, default_workers
 from hpcserve.endpoint.control.resume import resume
@@ -139,13 +140,21 @@ def tenancy_options(cfg, paths: RunPaths) -> list[str]:
 
 
 def tokenizer_options(cfg) -> list[str]:
-    if not (cfg.serve.router and routes_by_cache(cfg)):
+    folder, template = tokenizer_source(cfg)
+    if folder is None:
         return []
+    return ["--tokenizer", folder] + (["--chat-template", template] if template else [])
+
+
+def tokenizer_source(cfg) -> tuple[str | None, str | None]:
+    """The model folder whose tokenizer.json the data plane reads prompts with, and the engines' chat
+    template; (None, None) where it routes by the prompts' text."""
+    if not (cfg.serve.router and routes_by_cache(cfg)):
+        return None, None
     folder = Path(resolve_model_path(cfg))
     if not (folder / "tokenizer.json").is_file():
-        return []
-    template = flag_value(list(cfg.engine.args), "--chat-template")
-    return ["--tokenizer", str(folder)] + (["--chat-template", template] if template else [])
+        return None, None
+    return str(folder), flag_value(list(cfg.engine.args), "--chat-template")
 
 
 def run(run_dir: Path, runs: Launcher | None = None) -> int:
@@ -156,12 +165,15 @@ def run(run_dir: Path, runs: Launcher | None = None) -> int:
     adopting = bool(previous.members)
     api_key = read_api_key(run_dir)  # the run folder's copy, written by `up` before this process started
     key_file = write_secret(paths.router_key, api_key) if api_key else None  # never on a command line
-    options = dataplane_options(cfg) + tenancy_options(cfg, paths)
-    router = Router(cfg.serve.host, cfg.serve.port, key_file, paths.router_log, model=cfg.model.name,
-                    admin_socket=paths.router_admin, hold_s=cfg.serve.hold_s, options=options,
-                    policy=cfg.serve.routing, workers=cfg.serve.router_workers or default_workers())
+    if cfg.serve.join:  # our model's room in another endpoint's data plane: its port, key and tenants
+        router = joined_router(cfg, paths, key_file, tokenizer_source(cfg))
+    else:
+        options = dataplane_options(cfg) + tenancy_options(cfg, paths)
+        router = Router(cfg.serve.host, cfg.serve.port, key_file, paths.router_log, model=cfg.model.name,
+                        admin_socket=paths.router_admin, hold_s=cfg.serve.hold_s, options=options,
+                        policy=cfg.serve.routing, workers=cfg.serve.router_workers or default_workers())
     ctl = Controller(cfg, run_dir, router, api_key, runs)
-    keys_desk = self_service(cfg, paths, router.url)
+    keys_desk = None if cfg.serve.join else self_service(cfg, paths, router.url)
     started = {} if adopting else {"job_started": time.time()}  # where up's time went stays up's
     ctl.writer.update(driver_pid=os.getpid(), status=RunStatus.STARTING, **started)
     install_stop_handlers(ctl.request_stop)

@@ -110,7 +110,7 @@ def take_router(ctl: Controller, pid: int | None, wanted: list[str]) -> str:
         ctl.decide(ADOPTED, f"router pid {pid} on {router.url} answers: kept, clients never noticed")
         own_backends(ctl, wanted)
         return f"pid {pid} adopted"
-    if pid is not None:
+    if pid is not None and router.joined is None:  # a joined model's data plane is its host's to stop
         stop_router(pid, port=router.port)  # ours but not answering (hung): it holds the port
     router.start(wanted)
     ctl.decide("router restarted", f"no router answered on {router.url} (pid {pid} gone): a new one, pid "

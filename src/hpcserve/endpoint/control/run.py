@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from hpcserve.core.config import DeploymentConfig
+from hpcserve.core.config import DeploymentConfig, load_config
 from hpcserve.core.keys import ApiKey, remove_secrets
 from hpcserve.core.paths import RunPaths
 from hpcserve.core.registry import Record
@@ -29,6 +29,7 @@ from hpcserve.core.statuses import MemberStatus, RunKind
 from hpcserve.deployment.preflight import Prepared, check_walltime
 from hpcserve.deployment.runs import LocalRun, run_of
 from hpcserve.endpoint.control.policies.handover import handover_room
+from hpcserve.endpoint.control.joining import leave
 from hpcserve.endpoint.control.members import Member
 from hpcserve.endpoint.control.plane_client import is_router, router_serving, stop_router
 from hpcserve.engine.client import health_ok
@@ -98,7 +99,10 @@ def stop_endpoint(record: Record, timeout_s: float) -> list[int]:
     left = LocalRun(record).stop(timeout_s)
     state = RunState.read(record.run_dir)
     router_left = False
-    if state.router_pid and state.endpoint_url:  # only if that PID is still our router on our port
+    cfg = load_config(RunPaths(Path(record.run_dir)).config)
+    if cfg.serve.join:  # the data plane is the host's: only our model leaves it
+        leave(cfg, cfg.model.name)
+    elif state.router_pid and state.endpoint_url:  # only if that PID is still our router on our port
         port = httpx.URL(state.endpoint_url).port
         stop_router(state.router_pid, port=port)
         router_left = is_router(state.router_pid, port)

@@ -17,13 +17,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from hpcserve.core.files import read_json, write_json
-from hpcserve.core.paths import RunPaths
 from hpcserve.core.registry import Record
 from hpcserve.core.runstate import RunState, read_timeline
 from hpcserve.core.statuses import MemberRole, MemberStatus, RunKind, RunStatus
 from hpcserve.core.timeline import stage_breakdown
 from hpcserve.deployment.runs import run_of
-from hpcserve.endpoint.control.holding import holding, read_backends
+from hpcserve.endpoint.control.holding import holding, read_backends, read_models
+from hpcserve.endpoint.control.joining import dataplane_of
 from hpcserve.endpoint.control.members import Member
 from hpcserve.endpoint.control.run import EndpointCheck, MemberCheck, inspect_endpoint
 from hpcserve.engine.client import health_ok
@@ -50,6 +50,7 @@ class DeploymentStatus:
     up: int | None = None  # replicas answering now (count_replicas); None: count `replicas`
     total: int | None = None  # replicas in the pool + lost ones still counted: "up/total up"
     lost: list[dict] = field(default_factory=list)  # every lost member (Loss), counted or not
+    models: list[dict] = field(default_factory=list)  # every model behind its URL (protocol.ModelRoom's JSON)
 
     def to_json(self) -> dict:
         """Plain JSON values (statuses and paths as text): what `hpcserve status --json` prints."""
@@ -81,15 +82,19 @@ def deployment_status(record: Record) -> DeploymentStatus:
     decisions = [d.to_dict() for d in state.decisions]
     # What clients get, asked of the data plane: the controller's file says ready while a late successor
     # leaves the pool empty (endpoint/control/holding.py), and requests may wait for room in the KV caches
-    answer = (read_backends(RunPaths(Path(record.run_dir)).router_admin)
-              if record.kind is RunKind.ENDPOINT and current in (RunStatus.READY, RunStatus.DEGRADED) else None)
+    answer, models = None, []
+    if record.kind is RunKind.ENDPOINT and current in (RunStatus.READY, RunStatus.DEGRADED):
+        admin_socket, model = dataplane_of(record)  # a joined model's data plane is its host's
+        answer = read_backends(admin_socket, model)
+        models = read_models(admin_socket) or []
     hold = holding(answer, members, decisions) if answer else None
     return DeploymentStatus(record.name, record.scheduler, RunStatus.HOLDING if hold else current, state.stage,
                             gone or run.runner_line(), record.run_dir, replicas,
                             state.error.to_dict() if state.error else None, record.job_id, stages,
                             state.endpoint_url, members, decisions, holding=hold,
                             admission_waiting=int(answer.get("waiting") or 0) if answer else 0,
-                            up=count.up, total=count.total, lost=[asdict(loss) for loss in count.losses])
+                            up=count.up, total=count.total, lost=[asdict(loss) for loss in count.losses],
+                            models=models)
 
 
 def uncontrolled_status(record: Record, state: RunState, check: EndpointCheck) -> DeploymentStatus:

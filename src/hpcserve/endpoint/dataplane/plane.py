@@ -1,8 +1,15 @@
 """The endpoint's data plane: one OpenAI URL in front of the replicas, in a process of its own (or
 several worker processes on one port).
 
-    python -m hpcserve.endpoint.dataplane --host H --port P --key-file F --admin-socket S
+    python -m hpcserve.endpoint.dataplane --host H --port P --key-file F --admin-socket S [--model NAME]
                                           [--policy prefix|least_loaded|round_robin] [--hold-s 60] [--workers N]
+
+Models. Each model is a room of its own (rooms.py): its replicas, routing, admission, held requests and
+migrations. --model names the data plane's own; other deployments' models join and leave over the admin
+socket (PUT/DELETE /models/NAME) while it serves. With one model a request goes to it unread; with several,
+the body's "model" picks the room (400 without one, 404 for one not here, each naming those there are).
+GET /v1/models is answered here from the rooms (each model with its state) once the data plane knows its
+model's name; without --model it is the engines' to answer, as every route is.
 
 Clients (H:P). Every route goes to a replica that routing.choose picks (completions, chat, models,
 embeddings, tokenize, ...): the body passed on as bytes (the prefix policy also parses the prompt to
@@ -40,8 +47,8 @@ import signal
 import socket
 import sys
 import time
-from collections import deque
 from pathlib import Path
+from urllib.parse import unquote
 
 import aiohttp
 from aiohttp import web
@@ -52,17 +59,16 @@ from hpcserve.core.errors import HpcserveError
 from hpcserve.core.keys import KeyCheck, bearer, read_key_file
 from hpcserve.core.statuses import Routing
 from hpcserve.endpoint.dataplane import wire
-from hpcserve.endpoint.dataplane.admission import Admission, FairShare
+from hpcserve.endpoint.dataplane.admission import FairShare
 from hpcserve.endpoint.dataplane.routing import choose
-from hpcserve.endpoint.dataplane.routing.table import Affinity, Backend, RoutingTable
-from hpcserve.endpoint.dataplane.kv_feed import Feeds
+from hpcserve.endpoint.dataplane.routing.table import Affinity, Backend
+from hpcserve.endpoint.dataplane.rooms import NoRoom, Room, Rooms, gone_model, models_answer
 from hpcserve.endpoint.dataplane.migration import Request as Migratable, prepare
 from hpcserve.endpoint.dataplane.admin import admin_app
 from hpcserve.endpoint.dataplane.metrics import CLIENT_CLOSED, Stats
 from hpcserve.endpoint.dataplane.server import (ClientServer, RelayedStream, answered_status, bind_admin_socket,
                                             client_sockets)
 from hpcserve.endpoint.dataplane.settings import Settings, parse_args
-from hpcserve.endpoint.dataplane.routing.prompt_tokens import PromptTokenizer
 from hpcserve.endpoint.dataplane.routing.log import RoutingLog
 from hpcserve.endpoint.dataplane.streams import Lease, Stream
 from hpcserve.endpoint.dataplane.tenants import Visit, limit_refusal, model_refusal, tenant_view
@@ -71,13 +77,12 @@ from hpcserve.tenancy.limits import missing_max_tokens
 from hpcserve.tenancy.settings import TenancySettings
 from hpcserve.tenancy.view import Tenant, TenantView
 from hpcserve.core.logs import configure_process_logging
-from hpcserve.endpoint.protocol import PROCESS_TITLE, Migration
+from hpcserve.endpoint.protocol import PROCESS_TITLE, Migration, ModelSpec
 
 # Engines (uvicorn) close idle keep-alive connections after 5 s; closing ours first spares requests the
 # race of a connection closed under them.
 UPSTREAM_KEEPALIVE_S = 4.0
 URL_CACHE_SIZE = 4096
-MIGRATION_LOG = 1000  # the last migrations kept for GET /migrations
 VISIT = "hpcserve.visit"  # a tenant's request: its tenants.Visit, on the aiohttp request
 
 log = logging.getLogger(__name__)
@@ -114,19 +119,17 @@ class DataPlane:
         self.key, self.raw_key = KeyCheck(key), key
         self.tenants = tenants
         self.engine_auth = bearer(key)  # what the engines get in place of a user's key
-        self.pool = RoutingTable()
-        self.tokenizer: PromptTokenizer | None = None  # with the engines' KV events (kv_feed): exact routing
-        self.feeds: Feeds | None = None
         self.stats = Stats()
-        self.changed = asyncio.Event()  # replaced after every membership change: held requests wake
         self.session: aiohttp.ClientSession | None = None
-        self.prefix = settings.policy is Routing.PREFIX
         self.urls: dict[tuple[str, str], URL] = {}  # (backend, path) -> parsed URL: a few paths are most requests
-        self.migration_log: deque[Migration] = deque(maxlen=MIGRATION_LOG)
         self.streams: set = set()  # streams.Stream open now: a handover moves them at once
-        fair = FairShare(tenants.shares) if tenants is not None else None
-        self.admission = Admission(self.pool, settings.admit_kv_share if self.prefix else 0.0, settings.workers, fair)
-        self.choose = RoutingLog(settings.routing_log).choose if settings.routing_log and self.prefix else choose
+        self.fair = FairShare(tenants.shares) if tenants is not None else None  # across all models' admissions
+        self.rooms = Rooms(Room(settings.model or "", settings.policy, settings.hold_s, settings.admit_kv_share,
+                                settings.workers, self.fair))
+        self.created = int(time.time())  # what GET /v1/models tells clients of every model
+        self.choose = choose
+        if settings.routing_log and settings.policy is Routing.PREFIX:
+            self.choose = RoutingLog(settings.routing_log).choose
 
     async def open(self) -> None:
         connector = aiohttp.TCPConnector(limit=self.settings.max_connections, limit_per_host=0,
@@ -137,19 +140,54 @@ class DataPlane:
         self.session = aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=False,
                                              auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
                                              skip_auto_headers=("User-Agent", "Accept-Encoding", "Accept"))
-        if self.prefix and self.settings.tokenizer:
-            self.tokenizer = PromptTokenizer.load(self.settings.tokenizer, self.settings.chat_template)
-            if self.tokenizer is None:
-                log.warning("no tokenizer.json in %s: routing by the prompts sent to each replica alone, not by "
-                            "the engines' KV events", self.settings.tokenizer)
-            else:
-                self.feeds = Feeds(self.session, self.raw_key, self.pool)
+        warning = self.rooms.own.load_tokenizer(self.session, self.raw_key, self.settings.tokenizer,
+                                                self.settings.chat_template)
+        if warning:
+            log.warning("%s, not by the engines' KV events", warning)
 
     async def close(self) -> None:
-        if self.feeds is not None:
-            await self.feeds.close()
+        for room in self.rooms:
+            if room.feeds is not None:
+                await room.feeds.close()
         if self.session is not None:
             await self.session.close()
+
+    # -------------------------------------------------------------- models
+
+    async def add_model(self, spec: ModelSpec) -> Room:
+        """A model joins (its requests are held until its replicas join its pool), or an existing one's
+        settings change (its pool and the requests it holds stay). ValueError: a policy unknown here."""
+        policy = Routing(spec.policy)
+        room = self.rooms.by_name.get(spec.name)
+        if room is not None:
+            room.hold_s = spec.hold_s
+            return room
+        room = Room(spec.name, policy, spec.hold_s, self.settings.admit_kv_share, self.settings.workers, self.fair)
+        folder, template = (Path(spec.tokenizer) if spec.tokenizer else None,
+                            Path(spec.chat_template) if spec.chat_template else None)
+        warning = await asyncio.to_thread(room.load_tokenizer, self.session, self.raw_key, folder, template)
+        if warning:
+            log.warning("%s", warning)
+        self.rooms.add(room)
+        log.info("model %s joined (policy %s, hold %g s); models: %s", spec.name, policy, spec.hold_s,
+                 ", ".join(self.rooms.names()))
+        return room
+
+    async def remove_model(self, name: str) -> bool:
+        """The model leaves: its held requests get 404, those running finish on their replicas. False when
+        it was not here."""
+        room = self.rooms.remove(name)
+        if room is None:
+            return False
+        await room.close()
+        log.info("model %s left; models: %s", name, ", ".join(self.rooms.names()))
+        return True
+
+    def list_models(self, target: str) -> web.Response:
+        path = target.split("?", 1)[0]
+        name = unquote(path[len("/v1/models/"):]) if path.startswith("/v1/models/") else None
+        status, body = models_answer(self.rooms, self.created, time.monotonic(), name)
+        return web.Response(status=status, body=body, content_type="application/json")
 
     # -------------------------------------------------------------- clients
 
@@ -189,24 +227,32 @@ class DataPlane:
         if not target.startswith("/"):  # an absolute URL or '*': this is no forward proxy
             raise Refusal(400, wire.bad_request(f"the request target must be a path, not {target[:100]!r}"), True)
         body = await self.read_body(request)
+        if request.method == "GET" and self.rooms.named and target.startswith("/v1/models"):
+            return self.list_models(target)
+        room = self.rooms.sole  # one model: no look at the body for it
         headers = wire.forwarded_headers(request.headers.items())
         # With tenants, streams carry their token ids (migration.prepare) so that their usage is counted.
         migrates = (self.settings.migrations > 0 or tenant is not None) and request.method == "POST"
-        parse = body and (self.prefix or migrates or tenant is not None)
+        parse = body and (room is None or room.prefix or migrates or tenant is not None)
         data = body_json(body, request.headers.get("Content-Type")) if parse else None
+        if room is None:
+            try:
+                room = self.rooms.for_request(data)
+            except NoRoom as no:
+                raise Refusal(no.status, no.body) from None
         if tenant is not None:
             body, data = self.admit_tenant(request, tenant, target, body, data)
             headers = wire.with_authorization(headers, self.engine_auth)
         affinity = None
-        if self.prefix:  # prompts are tokenized only while some engine's KV events are followed
-            affinity = wire.request_affinity(request.headers, data, self.tokenizer if self.pool.exact else None)
+        if room.prefix:  # prompts are tokenized only while some engine's KV events are followed
+            affinity = wire.request_affinity(request.headers, data, room.tokenizer if room.pool.exact else None)
         migratable = None
         if migrates and data is not None:  # a stream that may continue elsewhere asks for its token ids
             prepared = prepare(target, body, data)
             body, migratable = prepared.body, prepared.request
         project, user = (tenant.project or "-", tenant.key_id) if tenant is not None else ("", "")
-        async with self.admission.turn(affinity, project, user):
-            return await self.forward(request, target, body, headers, affinity, migratable)
+        async with room.admission.turn(affinity, project, user):
+            return await self.forward(request, room, target, body, headers, affinity, migratable)
 
     def admit_tenant(self, request: web.BaseRequest, tenant: Tenant, target: str, body: bytes | None,
                      data: dict | None) -> tuple[bytes | None, dict | None]:
@@ -248,22 +294,23 @@ class DataPlane:
         except web.HTTPRequestEntityTooLarge:  # chunked, without a length up front
             raise Refusal(413, wire.too_large(limit), close=True) from None
 
-    async def forward(self, request: web.BaseRequest, target: str, body: bytes | None, headers: dict[str, str],
-                      affinity: Affinity | None, migratable: Migratable | None = None) -> web.StreamResponse:
+    async def forward(self, request: web.BaseRequest, room: Room, target: str, body: bytes | None,
+                      headers: dict[str, str], affinity: Affinity | None,
+                      migratable: Migratable | None = None) -> web.StreamResponse:
         tried: tuple[Backend, ...] = ()
         hold_until = None
         resent = 0
         while True:
-            backend = self.choose(self.pool, self.settings.policy, affinity, time.monotonic(), tried)
+            backend = self.choose(room.pool, room.policy, affinity, time.monotonic(), tried)
             if backend is None:
-                hold_until = hold_until or time.monotonic() + self.settings.hold_s  # one hold per request
-                backend = await self.hold(affinity, hold_until)
+                hold_until = hold_until or time.monotonic() + room.hold_s  # one hold per request
+                backend = await self.hold(room, affinity, hold_until)
             tried += (backend,)
             backend.in_flight += 1
             backend.requests += 1
             lease = Lease(backend)  # a stream that moves takes it along
             try:
-                return await self.relay(request, lease, target, body, headers, migratable)
+                return await self.relay(request, room, lease, target, body, headers, migratable)
             except AttemptFailed as failed:
                 decision = wire.after_failure(failed.failure, len(tried), self.settings.tries, resent,
                                               self.settings.resends)
@@ -277,37 +324,44 @@ class DataPlane:
                     resent += 1
                     self.stats.resends += 1
             finally:
-                self.pool.release(lease.backend)
+                room.pool.release(lease.backend)
 
     def gave_up(self, failed: AttemptFailed) -> Refusal:
         if failed.failure is wire.Failure.TIMEOUT:
             return Refusal(504, wire.replica_timeout(self.settings.first_byte_timeout_s))
         return Refusal(502, wire.bad_gateway(failed.detail[:200]), retry_after=True)
 
-    async def hold(self, affinity: Affinity | None, until: float) -> Backend:
-        """Wait until a backend can take the request (added, or a failed one's pause over), or 503."""
+    async def hold(self, room: Room, affinity: Affinity | None, until: float) -> Backend:
+        """Wait until a backend of the room can take the request (added, or a failed one's pause over), or
+        503; 404 when the model leaves meanwhile."""
         self.stats.holds += 1
         self.stats.held += 1
+        room.held += 1
         try:
             while True:
+                if room.closed:
+                    raise Refusal(404, gone_model(room.name))
                 now = time.monotonic()
-                wait = wire.hold_wait(now, until, self.pool.next_recovery(now))
+                wait = wire.hold_wait(now, until, room.pool.next_recovery(now))
                 if wait is None:
                     self.stats.hold_timeouts += 1
-                    raise Refusal(503, wire.no_backend(self.settings.hold_s), retry_after=True)
-                changed = self.changed
+                    raise Refusal(503, wire.no_backend(room.hold_s), retry_after=True)
+                changed = room.changed
                 try:
                     async with asyncio.timeout(wait):
                         await changed.wait()
                 except TimeoutError:
                     pass
-                backend = self.choose(self.pool, self.settings.policy, affinity, time.monotonic())
+                if room.closed:
+                    raise Refusal(404, gone_model(room.name))
+                backend = self.choose(room.pool, room.policy, affinity, time.monotonic())
                 if backend is not None:
                     return backend
         finally:
             self.stats.held -= 1
+            room.held -= 1
 
-    async def relay(self, request: web.BaseRequest, lease: Lease, target: str, body: bytes | None,
+    async def relay(self, request: web.BaseRequest, room: Room, lease: Lease, target: str, body: bytes | None,
                     headers: dict[str, str], migratable: Migratable | None = None) -> web.StreamResponse:
         """One attempt. AttemptFailed while nothing has gone to the client; after that a stream that may
         migrate continues elsewhere (streams.Stream), and an error otherwise ends the client's connection
@@ -341,7 +395,7 @@ class DataPlane:
         if migratable is not None and upstream.status == 200:
             response = request[RelayedStream.KEY] = RelayedStream(status=upstream.status, headers=out_headers)
             await response.prepare(request)
-            stream = Stream(self, response, lease, migratable, headers)
+            stream = Stream(self, room, response, lease, migratable, headers)
             try:
                 await stream.run(upstream, first)
             finally:
@@ -386,9 +440,10 @@ class DataPlane:
             url = self.urls[(backend, target)] = URL(backend + target, encoded=True)
         return url
 
-    def log_migration(self, migration: Migration) -> None:
-        """A stream moved (or could not): kept for GET /migrations (the controller's decisions) and logged."""
-        self.migration_log.append(migration)
+    def log_migration(self, room: Room, migration: Migration) -> None:
+        """A stream moved (or could not): kept for its model's GET /migrations (its controller's decisions) and
+        logged."""
+        room.migration_log.append(migration)
         where = f"to {migration.to}" if migration.to else f"not moved: {migration.reason}"
         log.info("migration (%s) of a %s stream from %s after %d token(s): %s", migration.cause, migration.kind,
                  migration.source, migration.tokens, where)
@@ -442,14 +497,15 @@ async def serve(settings: Settings, key: str | None, client_sock: socket.socket,
     await web.SockSite(admin, admin_sock).start()
     if peers is not None:  # other workers share this port: each choice hears theirs and tells them
         plane.choose = peers.choosing(plane.choose)
-        peers.listen(asyncio.get_running_loop(), plane.pool)
+        peers.listen(asyncio.get_running_loop(), plane.rooms.for_url)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     if peers is None:
-        log.info("serving on %s:%s, policy %s, hold %g s, at most %d connections; admin socket %s", settings.host,
-                 settings.port, settings.policy, settings.hold_s, settings.max_connections, settings.admin_socket)
+        log.info("serving %s on %s:%s, policy %s, hold %g s, at most %d connections; admin socket %s",
+                 settings.model or "any model", settings.host, settings.port, settings.policy, settings.hold_s,
+                 settings.max_connections, settings.admin_socket)
     await stop.wait()
     # Stop listening, let requests in flight finish (up to grace_s), then close everything.
     await clients.cleanup()

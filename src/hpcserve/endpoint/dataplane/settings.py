@@ -42,6 +42,7 @@ class Settings:
     routing_log: Path | None = None  # the prefix policy's choices, one JSON line each (routing_log.py)
     admit_kv_share: float = DEFAULT_SHARE  # prompts in flight above this share of the KV caches: prefills wait
     tenancy: Path | None = None  # users' keys, limits, usage (tenants.TenancySettings as JSON); None: the key alone
+    model: str | None = None  # the data plane's own model (its served name); None: any, answered by the engines
 
 
 def parse_args(argv: list[str], description: str = "") -> Settings:
@@ -82,6 +83,8 @@ def parse_args(argv: list[str], description: str = "") -> Settings:
                         "(endpoint/dataplane/admission.py; 0: never wait)")
     parser.add_argument("--tenancy", type=Path, help="a JSON file (tenants.TenancySettings): users' own keys, their "
                         "limits and the usage record, in the database it names; without it only --key-file's key")
+    parser.add_argument("--model", help="the served name of the data plane's own model: it answers GET /v1/models "
+                        "itself, and other models may join it (PUT /models/NAME on the admin socket)")
     args = parser.parse_args(argv)
     if args.hold_s < 0 or args.tries < 1 or args.resends < 0 or args.max_connections < 1 or args.max_body_mb <= 0:
         parser.error("--hold-s and --resends must be >= 0, --tries and --max-connections >= 1, --max-body-mb > 0")
@@ -102,4 +105,4 @@ def parse_args(argv: list[str], description: str = "") -> Settings:
                     first_byte_timeout_s=args.first_byte_timeout_s, read_timeout_s=args.read_timeout_s,
                     workers=args.workers, tokenizer=args.tokenizer, chat_template=args.chat_template,
                     migrations=args.migrations, routing_log=args.routing_log, admit_kv_share=args.admit_kv_share,
-                    tenancy=args.tenancy)
+                    tenancy=args.tenancy, model=args.model or None)

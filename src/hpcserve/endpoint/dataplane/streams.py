@@ -63,10 +63,11 @@ class Lease:
 class Stream:
     """One streamed answer whose request may migrate (migration.prepare gave it a Request)."""
 
-    def __init__(self, plane, response, lease: Lease, request: Request, headers: dict[str, str]):
-        """plane: the dataplane.DataPlane (its session, pool, settings, stats and migration log); lease: the
+    def __init__(self, plane, room, response, lease: Lease, request: Request, headers: dict[str, str]):
+        """plane: the dataplane.DataPlane (its session, settings, stats); room: the model's rooms.Room (its
+        pool, policy and migration log: a stream continues only on a replica of the same model); lease: the
         backend the request counts against, moved with the stream (the caller releases it at the end)."""
-        self.plane, self.response, self.lease, self.backend = plane, response, lease, lease.backend
+        self.plane, self.room, self.response, self.lease, self.backend = plane, room, response, lease, lease.backend
         self.request, self.headers = request, headers
         self.events, self.record = EventSplitter(), Record(request.kind)
         self.progress = None  # the Progress once a migration began (the record's, then the continuation's)
@@ -202,7 +203,7 @@ class Stream:
             return None
         reason = why_not(self.request, progress, self.migrations, self.plane.settings.migrations)
         while reason is None:
-            target = choose(self.plane.pool, self.plane.settings.policy, None, time.monotonic(), tuple(self.tried))
+            target = choose(self.room.pool, self.room.policy, None, time.monotonic(), tuple(self.tried))
             if target is None or target in self.tried:
                 reason = "no other replica can take it"
                 break
@@ -225,7 +226,7 @@ class Stream:
     def refused(self, cause: str, reason: str | None) -> None:
         self.plane.stats.migrations_refused += 1
         progress = self.current_progress()
-        self.plane.log_migration(Migration(time.time(), cause, self.backend.url, None, self.request.kind.value,
+        self.plane.log_migration(self.room, Migration(time.time(), cause, self.backend.url, None, self.request.kind.value,
                                            len(progress.ids), reason))
 
     async def continue_on(self, target: Backend, progress, cause: str, source: Backend):
@@ -247,14 +248,14 @@ class Stream:
                 upstream.close()
             raise
         self.progress, self.continuation, self.backend = attempt, continuation, target
-        self.plane.pool.release(self.lease.backend)
+        self.room.pool.release(self.lease.backend)
         target.in_flight += 1
         target.requests += 1
         self.lease.backend = target
         self.events = EventSplitter()
         self.migrations += 1
         self.plane.stats.migrations += 1
-        self.plane.log_migration(Migration(time.time(), cause, source.url, target.url, self.request.kind.value,
+        self.plane.log_migration(self.room, Migration(time.time(), cause, source.url, target.url, self.request.kind.value,
                                            len(progress.ids)))
         return upstream, first
 

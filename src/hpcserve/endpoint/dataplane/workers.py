@@ -49,6 +49,7 @@ from hpcserve.endpoint.protocol import (
     HEALTH,
     METRICS,
     MIGRATIONS,
+    MODELS,
     PROCESS_TITLE,
     STATS,
     DesiredBackends,
@@ -74,6 +75,7 @@ class Peers:
     def __init__(self, sockets: list[socket.socket]):
         self.sockets = sockets
         self.dropped = 0
+        self.pool_of: Callable[[str], RoutingTable | None] | None = None  # listen() sets it
         for sock in sockets:
             sock.setblocking(False)
 
@@ -88,9 +90,11 @@ class Peers:
             except (BlockingIOError, ConnectionRefusedError, OSError):
                 self.dropped += 1  # a busy or gone sibling: it routes with a little less knowledge
 
-    def listen(self, loop: asyncio.AbstractEventLoop, pool: RoutingTable) -> None:
+    def listen(self, loop: asyncio.AbstractEventLoop, pool_of: Callable[[str], RoutingTable | None]) -> None:
+        """pool_of: the pool (of the model's room) that holds a backend URL, or None."""
+        self.pool_of = pool_of
         for sock in self.sockets:
-            loop.add_reader(sock.fileno(), self.heard, sock, pool)
+            loop.add_reader(sock.fileno(), self.heard, sock, pool_of)
 
     def choosing(self, choose: Callable[..., Backend | None]) -> Callable[..., Backend | None]:
         """choose (routing.choose or the routing log's), knowing everything the siblings told so far, and
@@ -98,8 +102,9 @@ class Peers:
 
         def choose_with_siblings(pool: RoutingTable, policy: Routing, affinity: Affinity | None, now: float,
                                  tried: tuple[Backend, ...] = ()) -> Backend | None:
+            pool_of = self.pool_of or (lambda url: pool if url in pool.by_url else None)
             for sock in self.sockets:
-                self.heard(sock, pool)
+                self.heard(sock, pool_of)
             backend = choose(pool, policy, affinity, now, tried)
             if backend is not None and affinity is not None and affinity.has_prompt:
                 self.tell(backend.url, affinity)
@@ -108,7 +113,7 @@ class Peers:
         return choose_with_siblings
 
     @staticmethod
-    def heard(sock: socket.socket, pool: RoutingTable) -> None:
+    def heard(sock: socket.socket, pool_of: Callable[[str], RoutingTable | None]) -> None:
         while True:
             try:
                 message = sock.recv(DATAGRAM_BYTES)
@@ -116,7 +121,8 @@ class Peers:
                 return
             url, _, raw = message.partition(b"\n")
             url = url.decode(errors="replace")
-            if url in pool.by_url and len(raw) >= COUNTS.size:  # a backend this worker knows (a PUT apart at most)
+            pool = pool_of(url)
+            if pool is not None and len(raw) >= COUNTS.size:  # a backend this worker knows (a PUT apart at most)
                 texts, tokens = COUNTS.unpack_from(raw)
                 numbers = array.array("q")
                 numbers.frombytes(raw[COUNTS.size:COUNTS.size + 8 * (texts + tokens)])
@@ -214,7 +220,9 @@ class Supervisor:
         app = web.Application(middlewares=[owner_only], client_max_size=16 * 2**20)
         app.add_routes([web.get(BACKENDS, self.get_backends), web.put(BACKENDS, self.put_backends),
                         web.post(HANDOVER, self.post_handover), web.get(MIGRATIONS, self.get_migrations),
-                        web.get(METRICS, self.get_metrics), web.get(HEALTH, self.get_health)])
+                        web.get(METRICS, self.get_metrics), web.get(HEALTH, self.get_health),
+                        web.get(MODELS, self.get_models), web.put(MODELS + "/{name}", self.change_model),
+                        web.delete(MODELS + "/{name}", self.change_model)])
         runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=1.0)
         await runner.setup()
         await self.workers_listening()  # a PUT before that would find a worker's socket not yet listening
@@ -296,27 +304,47 @@ class Supervisor:
             DesiredBackends.from_json(json.loads(body))
         except (ValueError, KeyError, TypeError) as exc:
             return web.json_response({"error": f"{type(exc).__name__}: {exc}"}, status=400)
-        answers = await self.each("PUT", BACKENDS, body)
+        answers = await self.each("PUT", scoped(BACKENDS, request), body)
         failed = [data for status, data in answers if status != 200]
+        if failed and all(status == 404 for status, _ in answers):  # a model not served here
+            return web.json_response(failed[0], status=404)
         if failed:
             return web.json_response({"error": f"{len(failed)} worker(s) refused the backends: {failed[0]}"},
                                      status=502)
         return web.json_response(merged_json([data for _, data in answers]))
 
     async def post_handover(self, request: web.Request) -> web.Response:
-        answers = await self.each("POST", HANDOVER, await request.read())
+        answers = await self.each("POST", scoped(HANDOVER, request), await request.read())
         marked = sorted({url for status, data in answers if status == 200 for url in HandingOver.from_json(data).urls})
         return web.json_response(HandingOver(marked).to_json())
 
     async def get_migrations(self, request: web.Request) -> web.Response:
-        answers = await self.each("GET", f"{MIGRATIONS}?after={request.query.get('after', '0')}")
+        answers = await self.each("GET", scoped(MIGRATIONS, request))
         merged = sorted((m for status, data in answers if status == 200 for m in Migrations.from_json(data).migrations),
                         key=lambda m: m.time)
         return web.json_response(Migrations(merged).to_json())
 
-    async def get_backends(self, _request: web.Request) -> web.Response:
-        answers = await self.each("GET", BACKENDS)
+    async def get_backends(self, request: web.Request) -> web.Response:
+        answers = await self.each("GET", scoped(BACKENDS, request))
+        if answers and all(status == 404 for status, _ in answers):
+            return web.json_response(answers[0][1], status=404)
         return web.json_response(merged_json([data for status, data in answers if status == 200]))
+
+    async def get_models(self, _request: web.Request) -> web.Response:
+        """The first live worker's: every worker is told of each model (change_model)."""
+        for status, data in await self.each("GET", MODELS):
+            if status == 200:
+                return web.json_response(data)
+        return web.json_response({"error": "no worker answered"}, status=502)
+
+    async def change_model(self, request: web.Request) -> web.Response:
+        """PUT or DELETE /models/NAME, to every worker: each routes that model's requests itself."""
+        answers = await self.each(request.method, request.path_qs, await request.read())
+        failed = [(status, data) for status, data in answers if status != 200]
+        if failed:
+            status, data = failed[0]
+            return web.json_response(data, status=status if status in (400, 409) else 502)
+        return web.json_response(answers[0][1] if answers else {"models": []})
 
     async def get_metrics(self, _request: web.Request) -> web.Response:
         parts = [data for status, data in await self.each("GET", STATS) if status == 200]
@@ -326,6 +354,11 @@ class Supervisor:
 
     async def get_health(self, _request: web.Request) -> web.Response:
         return web.json_response(Health(os.getpid(), self.settings.port, list(self.alive)).to_json())
+
+
+def scoped(path: str, request: web.Request) -> str:
+    """path with the request's query (?model=NAME, ?after=T): the workers answer for the same model."""
+    return f"{path}?{request.query_string}" if request.query_string else path
 
 
 def merged_json(parts: list[dict]) -> dict:
