@@ -123,13 +123,16 @@ class DataPlane:
         self.session: aiohttp.ClientSession | None = None
         self.urls: dict[tuple[str, str], URL] = {}  # (backend, path) -> parsed URL: a few paths are most requests
         self.streams: set = set()  # streams.Stream open now: a handover moves them at once
-        self.fair = FairShare(tenants.shares) if tenants is not None else None  # across all models' admissions
         self.rooms = Rooms(Room(settings.model or "", settings.policy, settings.hold_s, settings.admit_kv_share,
-                                settings.workers, self.fair))
+                                settings.workers, self.fair_share()))
         self.created = int(time.time())  # what GET /v1/models tells clients of every model
         self.choose = choose
         if settings.routing_log and settings.policy is Routing.PREFIX:
             self.choose = RoutingLog(settings.routing_log).choose
+
+    def fair_share(self) -> FairShare | None:
+        """A model's own fair share (its replicas' places are shared among the users of that model alone)."""
+        return FairShare(self.tenants.shares) if self.tenants is not None else None
 
     async def open(self) -> None:
         connector = aiohttp.TCPConnector(limit=self.settings.max_connections, limit_per_host=0,
@@ -162,7 +165,8 @@ class DataPlane:
         if room is not None:
             room.hold_s = spec.hold_s
             return room
-        room = Room(spec.name, policy, spec.hold_s, self.settings.admit_kv_share, self.settings.workers, self.fair)
+        room = Room(spec.name, policy, spec.hold_s, self.settings.admit_kv_share, self.settings.workers,
+                    self.fair_share())
         folder, template = (Path(spec.tokenizer) if spec.tokenizer else None,
                             Path(spec.chat_template) if spec.chat_template else None)
         warning = await asyncio.to_thread(room.load_tokenizer, self.session, self.raw_key, folder, template)
