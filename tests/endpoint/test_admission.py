@@ -170,14 +170,16 @@ def test_while_the_replicas_are_full_a_light_user_passes_a_heavy_users_queue():
         table = RoutingTable()
         table.update([BackendSpec(A, capacity=1)])  # room for 2 in flight (capacity + 1)
         admission = Admission(table, 0.0, fair=FairShare({}))
-        heavy = [asyncio.ensure_future(admission.enter(None, "p-heavy", "heavy")) for _ in range(6)]
-        await asyncio.sleep(0)
+        alone = [await admission.enter(None, "p-heavy", "heavy") for _ in range(4)]
+        assert admission.admitted == 4  # alone: nothing to share, all go (they queue in the engine)
         light = asyncio.ensure_future(admission.enter(None, "p-light", "light"))
+        heavy = [asyncio.ensure_future(admission.enter(None, "p-heavy", "heavy")) for _ in range(3)]
         await asyncio.sleep(0)
-        assert sum(t.done() for t in heavy) == 2 and not light.done()  # full: the rest wait here
-        admission.leave(heavy[0].result())  # the first place freed goes to the light user, not the queue
+        assert not light.done() and not any(t.done() for t in heavy)  # full, and shared now: both wait here
+        for ticket in alone[:3]:
+            admission.leave(ticket)  # down to 1 in flight: one place
         await asyncio.sleep(0)
-        assert light.done() and sum(t.done() for t in heavy) == 2
+        assert light.done() and not any(t.done() for t in heavy)  # it goes to the light user, not the queue
         for task in heavy:
             task.cancel()
 

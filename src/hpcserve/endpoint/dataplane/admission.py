@@ -116,12 +116,12 @@ class FairShare:
     def may_go(self, project: str, user: str, admitted: int, capacity: int, slots: int, now: float) -> bool:
         """Whether a request of this user may take a place now: admitted of slots taken, the replicas
         running capacity at once. Pure apart from reading the counts."""
+        active = {who for who, at in self.seen.items() if now - at < ACTIVE_S} | set(self.running)
+        if active <= {(project, user)}:  # alone: nothing to share; requests queue in the engines as without
+            return True                  # tenants (the autoscaler reads the engines' queues)
         if admitted >= slots:
             return False
         if admitted < capacity - RESERVE:
-            return True
-        active = {who for who, at in self.seen.items() if now - at < ACTIVE_S} | set(self.running)
-        if active <= {(project, user)}:  # alone: everything is theirs (nothing wasted)
             return True
         projects = {p for p, _ in active}
         weight = self.shares.get(project, 1.0) / sum(self.shares.get(p, 1.0) for p in projects)

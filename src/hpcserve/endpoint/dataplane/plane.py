@@ -507,8 +507,8 @@ async def serve(settings: Settings, key: str | None, client_sock: socket.socket,
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     if peers is None:
-        log.info("serving %s on %s:%s, policy %s, hold %g s, at most %d connections; admin socket %s",
-                 settings.model or "any model", settings.host, settings.port, settings.policy, settings.hold_s,
+        log.info("serving on %s:%s (model %s), policy %s, hold %g s, at most %d connections; admin socket %s",
+                 settings.host, settings.port, settings.model or "any", settings.policy, settings.hold_s,
                  settings.max_connections, settings.admin_socket)
     await stop.wait()
     # Stop listening, let requests in flight finish (up to grace_s), then close everything.
