@@ -114,6 +114,8 @@ def main() -> int:
     parser.add_argument("--users", type=int, default=100)
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--usage-flush-s", type=float, default=1.0,
+                        help="the data plane's usage_flush_s (how often its rows are written)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     with workspace("hpcserve-tenancy-bench-") as here:
@@ -130,7 +132,7 @@ def main() -> int:
         limits = Limits(requests_per_minute=10**7, tokens_per_minute=10**9, tokens_per_day=10**12)
         keys = [add_key(store, f"user{i:03d}", project=f"project{i % 10}", limits=limits)[0] for i in range(args.users)]
         store.close()
-        settings = here.tenancy(database)
+        settings = here.tenancy(database, flush_s=args.usage_flush_s)
         targets = {}
         for mode in MODES:
             options = ["--tenancy", str(settings)] if mode == "on" else []
@@ -141,7 +143,7 @@ def main() -> int:
             targets[mode] = (router.url, router.pid, keys if mode == "on" else [KEY])
         started = time.time()
         results = asyncio.run(measure(targets, args))
-        time.sleep(2.5)  # the last usage rows written (usage_flush_s 1 s + the poll)
+        time.sleep(args.usage_flush_s + 1.5)  # the last usage rows written (usage_flush_s + the poll)
         store = open_store(database)
         rows = len(store.rows(started - 5))
         store.close()

@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from hpcserve.endpoint.dataplane.admission import AGE_S, Admission, FairQueue, FairShare, Ticket, next_admitted
+from hpcserve.endpoint.dataplane.admission import ACTIVE_S, AGE_S, Admission, FairQueue, FairShare, Ticket, next_admitted
 from hpcserve.endpoint.dataplane.routing.table import Affinity, RoutingTable
 from hpcserve.endpoint.dataplane.routing.prefix_index import prompt_blocks
 from hpcserve.endpoint.protocol import BackendSpec
@@ -207,3 +209,32 @@ def test_a_heavy_user_leaves_a_place_free_for_others_while_they_are_active():
             task.cancel()
 
     asyncio.run(scenario())
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["arrive", "serve", "end", "wait"]), st.integers(0, 5),
+                          st.floats(0.0, 2 * ACTIVE_S)), max_size=60))
+def test_who_is_active_follows_its_definition_whatever_the_order(events):
+    """The active users kept as requests come and go are those that sent one within ACTIVE_S or have one in
+    flight, with the projects' weights summed over them: may_go answers as if counted afresh."""
+    shares = {"p0": 3.0, "p1": 1.0}
+    fair = FairShare(shares)
+    last: dict[tuple[str, str], float] = {}
+    now = 0.0
+    for action, who_index, step in events:
+        who = (f"p{who_index % 3}", f"u{who_index}")
+        if action == "wait":
+            now += step
+        elif action == "arrive":
+            fair.arrived(*who, now)
+            last[who] = now
+        elif action == "serve":
+            fair.served(*who)
+        elif fair.running.get(who):
+            fair.ended(*who)
+        active = {w for w, at in last.items() if now - at < ACTIVE_S} | set(fair.running)
+        fair.expire(now)
+        assert fair.active == len(active)
+        projects = {p for p, _ in active}
+        assert fair.weight_sum == pytest.approx(sum(shares.get(p, 1.0) for p in projects))
+        assert fair.active_users == {p: sum(1 for q, _ in active if q == p) for p in projects}

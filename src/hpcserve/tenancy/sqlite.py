@@ -8,6 +8,7 @@ that waits at its start queues behind the writer), and the busy timeout is how l
 
 from __future__ import annotations
 
+import functools
 import os
 import sqlite3
 from collections.abc import Iterator, Sequence
@@ -17,6 +18,11 @@ from pathlib import Path
 from hpcserve.tenancy import tables
 from hpcserve.tenancy.records import GroupBy, KeyRecord, UsageRow, UsageTotal, WindowCounts
 
+# Usage rows per INSERT statement. SQLite runs a statement with the GIL released and Python binds the next one
+# with it held: a data-plane worker's event loop and its writing thread trade the GIL once per statement,
+# and once per row with executemany (measured: the worker's CPU per request 1.2x the same plane without
+# tenancy, 1.1x with the rows unwritten).
+ROWS_PER_INSERT = 256
 BUSY_TIMEOUT_S = 30.0  # a writer waits this long for another's transaction (they last milliseconds)
 FILE_MODE = 0o600  # key hashes and who used what: the owner's alone
 FOLDER_MODE = 0o700
@@ -69,6 +75,12 @@ INSERT OR IGNORE INTO meta (name, value) VALUES ('revision', 0);
 
 # The UTC date of started_at; the other groups are columns (tables.GROUP_COLUMNS).
 DAY_SQL = "strftime('%Y-%m-%d', started_at, 'unixepoch')"
+
+
+@functools.lru_cache(maxsize=8)
+def _insert_usage(rows: int) -> str:
+    one = f"({', '.join('?' * len(tables.USAGE_COLUMNS))})"
+    return f"INSERT INTO usage ({', '.join(tables.USAGE_COLUMNS)}) VALUES {', '.join([one] * rows)}"
 
 
 class SqliteStore:
@@ -133,10 +145,11 @@ class SqliteStore:
     def record_usage(self, rows: Sequence[UsageRow]) -> None:
         if not rows:
             return
+        values = [tables.usage_row(row) for row in rows]
         with self._write() as db:
-            db.executemany(f"INSERT INTO usage ({', '.join(tables.USAGE_COLUMNS)}) "
-                           f"VALUES ({', '.join('?' * len(tables.USAGE_COLUMNS))})",
-                           [tables.usage_row(row) for row in rows])
+            for start in range(0, len(values), ROWS_PER_INSERT):
+                chunk = values[start:start + ROWS_PER_INSERT]
+                db.execute(_insert_usage(len(chunk)), [value for row in chunk for value in row])
             db.executemany(tables.MINUTE_UPSERT.replace("%s", "?"), tables.minute_counts(rows))
 
     def usage(self, by: GroupBy, since: float | None = None, until: float | None = None) -> list[UsageTotal]:

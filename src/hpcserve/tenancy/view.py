@@ -20,12 +20,13 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from hpcserve.core.keys import KeyCheck, bearer_token
 from hpcserve.tenancy.limits import DAY_S, LimitHit, Window, cap_hit, rate_hit
 from hpcserve.tenancy.records import OWNER_KEY_ID, KeyRecord, Limits, UsageRow, matches, split_key
+from hpcserve.tenancy.tables import minute_counts
 from hpcserve.tenancy.store import Store
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,9 @@ class Meter:
     stored: dict[str, dict[int, tuple[int, int]]] = field(default_factory=dict)  # the last two minutes, read
     stored_day: dict[str, int] = field(default_factory=dict)  # tokens of today's minutes before those two
     own: dict[str, dict[int, _Counts]] = field(default_factory=dict)
+    # per key, the stored counts summed for one minute: (minute, previous requests, previous tokens, requests,
+    # tokens, day tokens); made at a key's first request of a minute, dropped when the thread swaps `stored`
+    bases: dict[str, tuple[int, int, int, int, int, int]] = field(default_factory=dict)
 
     def _own(self, key_id: str, minute: int) -> _Counts:
         minutes = self.own.get(key_id)
@@ -80,33 +84,52 @@ class Meter:
     def ended(self, key_id: str, minute: int, tokens: int) -> None:
         self._own(key_id, minute).tokens += tokens
 
-    def written(self, rows: list[UsageRow]) -> None:
-        """These rows are in the store now (and in `stored`, read after they were written)."""
-        for row in rows:
-            minutes = self.own.get(row.key_id)
-            minute = minute_of(row.started_at)
-            counts = minutes.get(minute) if minutes is not None else None
-            if counts is None:
+    def swap(self, stored: dict[str, dict[int, tuple[int, int]]], stored_day: dict[str, int] | None) -> None:
+        self.stored = stored
+        if stored_day is not None:
+            self.stored_day = stored_day
+        self.bases = {}
+
+    def written(self, counts: Iterable[tuple[str, int, int, int]]) -> None:
+        """These (key id, minute, requests, tokens) are in the store now (and in `stored`, read after they
+        were written)."""
+        for key_id, minute, requests, tokens in counts:
+            minutes = self.own.get(key_id)
+            own = minutes.get(minute) if minutes is not None else None
+            if own is None:
                 continue
-            counts.requests -= 1
-            counts.tokens -= row_tokens(row)
-            if counts.requests <= 0 and counts.tokens <= 0:
+            own.requests -= requests
+            own.tokens -= tokens
+            if own.requests <= 0 and own.tokens <= 0:
                 del minutes[minute]
                 if not minutes:
-                    del self.own[row.key_id]
+                    del self.own[key_id]
 
     def window(self, key_id: str, now: float) -> Window:
-        minute = minute_of(now)
-        stored = self.stored.get(key_id, _NONE)
-        own = self.own.get(key_id, _NONE)
+        minute = int(now // 60)
+        base = self.bases.get(key_id)
+        if base is None or base[0] != minute:
+            base = self.bases[key_id] = self._base(key_id, minute)
+        _, before_r, before_t, now_r, now_t, day_t = base
+        own = self.own.get(key_id)
+        if own is None:
+            return Window(before_r, before_t, now_r, now_t, day_t)
         own_now, own_before = own.get(minute, _ZERO), own.get(minute - 1, _ZERO)
+        day_start = minute - minute % (DAY_S // 60)
+        own_day = 0
+        for at, counts in own.items():
+            if at >= day_start:
+                own_day += counts.tokens
+        return Window(before_r + own_before.requests, before_t + own_before.tokens, now_r + own_now.requests,
+                      now_t + own_now.tokens, day_t + own_day)
+
+    def _base(self, key_id: str, minute: int) -> tuple[int, int, int, int, int, int]:
+        stored = self.stored.get(key_id, _NONE)
         now_r, now_t = stored.get(minute, (0, 0))
         before_r, before_t = stored.get(minute - 1, (0, 0))
-        day_start = int(now // DAY_S) * DAY_S // 60
-        own_day = sum(c.tokens for m, c in own.items() if m >= day_start)
+        day_start = minute - minute % (DAY_S // 60)
         recent_day = sum(t for m, (_, t) in stored.items() if m >= day_start)
-        return Window(before_r + own_before.requests, before_t + own_before.tokens, now_r + own_now.requests,
-                      now_t + own_now.tokens, self.stored_day.get(key_id, 0) + recent_day + own_day)
+        return minute, before_r, before_t, now_r, now_t, self.stored_day.get(key_id, 0) + recent_day
 
 
 _NONE: dict = {}
@@ -237,18 +260,20 @@ class TenantView:
                     return
             self._stop.wait(self.poll_s)
 
-    def _write(self, store: Store) -> list[UsageRow]:
+    def _write(self, store: Store) -> list[tuple[str, int, int, int]]:
+        """Writes the rows that ended; returns their counts per key and minute."""
         rows = []
         while self.rows:
             rows.append(self.rows.popleft())
-        if rows:
-            try:
-                store.record_usage(rows)
-            except Exception:
-                self.rows.extendleft(reversed(rows))  # kept for the next try, oldest first
-                raise
-            self.written_rows += len(rows)
-        return rows
+        if not rows:
+            return []
+        try:
+            store.record_usage(rows)
+        except Exception:
+            self.rows.extendleft(reversed(rows))  # kept for the next try, oldest first
+            raise
+        self.written_rows += len(rows)
+        return minute_counts(rows)
 
     def _post(self, keys, tenants, recent, day, written) -> None:
         stored = {key: {m: (c.requests, c.tokens) for m, c in minutes.items()} for key, minutes in recent.items()}
@@ -256,9 +281,7 @@ class TenantView:
         def apply() -> None:
             if keys is not None:  # the tenants first: a key identified is always found among them
                 self.tenants, self.keys = tenants, keys
-            self.meter.stored = stored
-            if day is not None:
-                self.meter.stored_day = day
+            self.meter.swap(stored, day)
             self.meter.written(written)
             self.loaded.set()
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Iterable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -92,41 +92,91 @@ class FairShare:
     """Projects weighted by their shares, then the users of each with equal weights: the order of those
     waiting (`choose`), and who may take a place now (`may_go`): while others are active, a user at or above
     their share of the replicas' capacity leaves RESERVE places free, so that a request of a user below
-    theirs starts at once in an engine instead of waiting there for one of the heavy user's to end."""
+    theirs starts at once in an engine instead of waiting there for one of the heavy user's to end.
+
+    Who is active (sent a request within ACTIVE_S, or has one in flight) is kept as requests come and go,
+    with the active users per project and the projects' summed weights: `may_go` costs the same with ten
+    users or ten thousand."""
 
     def __init__(self, shares: dict[str, float]):
         self.shares = shares
         self.projects = FairQueue(shares)
         self.users: dict[str, FairQueue] = {}
         self.running: dict[tuple[str, str], int] = {}  # requests in flight per (project, user)
-        self.seen: dict[tuple[str, str], float] = {}  # when each last sent a request (monotonic)
+        self.seen: OrderedDict[tuple[str, str], float] = OrderedDict()  # last request's time, oldest first
+        self.active_users: dict[str, int] = {}  # per project, its users that are active
+        self.active = 0  # users active, in all projects
+        self.weight_sum = 0.0  # the shares of the projects with an active user
 
     def arrived(self, project: str, user: str, now: float) -> None:
-        self.seen[(project, user)] = now
-        if len(self.seen) > 4 * 4096:  # users long gone
-            self.seen = {who: at for who, at in self.seen.items() if now - at < ACTIVE_S}
+        who = (project, user)
+        if who not in self.seen and who not in self.running:
+            self._became_active(project)
+        self.seen[who] = now
+        self.seen.move_to_end(who)
 
     def ended(self, project: str, user: str) -> None:
-        left = self.running.get((project, user), 0) - 1
+        who = (project, user)
+        left = self.running.get(who, 0) - 1
         if left > 0:
-            self.running[(project, user)] = left
+            self.running[who] = left
+            return
+        self.running.pop(who, None)
+        if who not in self.seen:
+            self._became_idle(project)
+
+    def served(self, project: str, user: str) -> None:
+        self.projects.served(project)
+        self.users.setdefault(project, FairQueue()).served(user)
+        who = (project, user)
+        if who not in self.running and who not in self.seen:
+            self._became_active(project)
+        self.running[who] = self.running.get(who, 0) + 1
+
+    def expire(self, now: float) -> None:
+        """Users whose last request is older than ACTIVE_S and who have none in flight are no longer active."""
+        seen = self.seen
+        while seen:
+            who, at = next(iter(seen.items()))
+            if now - at < ACTIVE_S:
+                return
+            del seen[who]
+            if who not in self.running:
+                self._became_idle(who[0])
+
+    def _became_active(self, project: str) -> None:
+        self.active += 1
+        users = self.active_users.get(project, 0)
+        self.active_users[project] = users + 1
+        if users == 0:
+            self._sum_weights()
+
+    def _became_idle(self, project: str) -> None:
+        self.active -= 1
+        users = self.active_users[project] - 1
+        if users:
+            self.active_users[project] = users
         else:
-            self.running.pop((project, user), None)
+            del self.active_users[project]
+            self._sum_weights()
+
+    def _sum_weights(self) -> None:  # summed afresh when a project comes or goes: no drift from float sums
+        self.weight_sum = sum(self.shares.get(p, 1.0) for p in self.active_users)
 
     def may_go(self, project: str, user: str, admitted: int, capacity: int, slots: int, now: float) -> bool:
         """Whether a request of this user may take a place now: admitted of slots taken, the replicas
-        running capacity at once. Pure apart from reading the counts."""
-        active = {who for who, at in self.seen.items() if now - at < ACTIVE_S} | set(self.running)
-        if active <= {(project, user)}:  # alone: nothing to share; requests queue in the engines as without
-            return True                  # tenants (the autoscaler reads the engines' queues)
+        running capacity at once."""
+        self.expire(now)
+        who = (project, user)
+        if self.active == 0 or (self.active == 1 and (who in self.seen or who in self.running)):
+            return True  # alone: nothing to share; requests queue in the engines as without tenants (the
+            # autoscaler reads the engines' queues)
         if admitted >= slots:
             return False
         if admitted < capacity - RESERVE:
             return True
-        projects = {p for p, _ in active}
-        weight = self.shares.get(project, 1.0) / sum(self.shares.get(p, 1.0) for p in projects)
-        users_here = sum(1 for p, _ in active if p == project)
-        return self.running.get((project, user), 0) < capacity * weight / users_here
+        weight = self.shares.get(project, 1.0) / (self.weight_sum or 1.0)
+        return self.running.get(who, 0) < capacity * weight / self.active_users.get(project, 1)
 
     def choose(self, waiting: Iterable[Ticket]) -> tuple[str, str]:
         """(project, user) whose request goes next among those waiting (oldest first)."""
@@ -134,11 +184,6 @@ class FairShare:
         project = self.projects.pick(dict.fromkeys(t.project for t in tickets))
         users = self.users.setdefault(project, FairQueue())
         return project, users.pick(dict.fromkeys(t.user for t in tickets if t.project == project))
-
-    def served(self, project: str, user: str) -> None:
-        self.projects.served(project)
-        self.users.setdefault(project, FairQueue()).served(user)
-        self.running[(project, user)] = self.running.get((project, user), 0) + 1
 
 
 def prefill_cost(pool: RoutingTable, affinity: Affinity | None, now: float) -> tuple[int, bool]:
