@@ -81,6 +81,8 @@ def deployment_lines(r: api.DeploymentStatus) -> list[str]:
         lines.append(f"  {r.advice}")
     if r.holding:
         lines.append(f"  {describe_holding(r.holding)}")
+    if r.sleep:
+        lines.append(f"  {r.sleep}")
     if r.admission_waiting:
         lines.append(f"  {r.admission_waiting} request(s) waiting for room in the KV caches, cached prefixes "
                      "first (serve.admit_kv_share)")
@@ -110,7 +112,7 @@ def deployment_lines(r: api.DeploymentStatus) -> list[str]:
 def _colour(state: str) -> str:
     colour = {RunStatus.READY: "green", RunStatus.FAILED: "red", RunStatus.DEAD: "red",
               RunStatus.DEGRADED: "yellow", RunStatus.UNCONTROLLED: "yellow",
-              RunStatus.HOLDING: "yellow"}.get(state, "cyan")
+              RunStatus.HOLDING: "yellow", RunStatus.ASLEEP: "blue", RunStatus.WAKING: "yellow"}.get(state, "cyan")
     return f"[{colour}]{state}[/]"
 
 

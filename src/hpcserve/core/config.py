@@ -218,19 +218,40 @@ class ServeSpec(Strict):
 
 
 class AutoscaleSpec(Strict):
-    """Replicas follow the load: one Slurm job per extra replica, drained and cancelled when idle."""
+    """Replicas follow the load: one Slurm job (or local process) per extra replica, drained and stopped when
+    idle. With min 0 the model sleeps: its last replica goes after idle_s without a request, and a request
+    for it wakes one (held up to wake_wait_s meanwhile; docs/endpoint.md, Scale to zero)."""
 
-    min: int = Field(1, ge=1, description="replicas always kept")
+    min: int = Field(1, ge=0, description="replicas always kept; 0: the model sleeps after autoscale.idle_s "
+                     "without a request (no job runs) and the next request wakes it")
     max: int = Field(4, ge=1, description="replicas at most")
     target_queue: float = Field(4.0, gt=0, description="waiting requests per replica above which one is added")
     scale_up_after_s: float = Field(10.0, gt=0, description="how long the queue must stay above target")
     scale_down_after_s: float = Field(60.0, gt=0, description="how long a replica must be idle to be removed")
+    idle_s: float | None = Field(None, gt=0, description="with min 0: how long the model must go without a request "
+                                 "(none in flight or held) before its last replica goes (its job ends); required "
+                                 "with min 0")
+    wake_wait_s: float = Field(600.0, gt=0, description="with min 0: how long a request for a sleeping model waits "
+                               "for a replica to wake (a job queued and started, the engine loaded); a stream gets "
+                               "SSE comments meanwhile. When Slurm's expected start is later, or the time is up: "
+                               "503 with Retry-After and the reason (Slurm's pending reason while queued)")
 
     @model_validator(mode="after")
     def _min_le_max(self) -> AutoscaleSpec:
         if self.min > self.max:
             raise ValueError(f"autoscale.min ({self.min}) is larger than autoscale.max ({self.max}): swap them")
+        if self.min == 0 and self.idle_s is None:
+            raise ValueError("autoscale.min 0 lets the model sleep: give autoscale.idle_s, how long it must go "
+                             "without a request before its last replica goes (e.g. idle_s: 900)")
+        if self.min > 0 and self.idle_s is not None:
+            raise ValueError(f"autoscale.idle_s is the idle time before the last replica goes, with min 0; "
+                             f"autoscale.min is {self.min}: set min 0 or remove idle_s")
         return self
+
+    @property
+    def sleeps(self) -> bool:
+        """The model goes to zero replicas when idle (min 0)."""
+        return self.min == 0
 
 
 class SiteSpec(Strict):
@@ -356,7 +377,8 @@ class DeploymentConfig(Strict):
     parallelism: Union[Literal["auto"], Layout] = Field(Layout(), description="'auto' or {tensor, pipeline, replicas}")
     engine: EngineSpec = Field(EngineSpec(), description="how each vLLM engine is started")
     serve: ServeSpec = Field(ServeSpec(), description="the endpoint clients use")
-    autoscale: AutoscaleSpec | None = Field(None, description="replicas follow the load (Slurm only)")
+    autoscale: AutoscaleSpec | None = Field(None, description="replicas follow the load: Slurm jobs, or local "
+                                            "processes; min 0: the model sleeps when idle, a request wakes it")
     replica_groups: list[ReplicaGroup] = Field(default_factory=list, description="more replicas of other shapes "
                                                "behind the endpoint (serve.router), besides parallelism's")
     site: SiteSpec = Field(SiteSpec(), description="how the site runs software on its compute nodes; "
@@ -375,9 +397,9 @@ class DeploymentConfig(Strict):
         if self.site.runtime != "venv" and self.cluster.scheduler == "local":
             raise ValueError(f"site.runtime '{self.site.runtime}' wraps Slurm job steps; scheduler 'local' runs "
                              "outside any container: set cluster.scheduler: slurm or site.runtime: venv")
-        if self.autoscale and (self.cluster.scheduler != "slurm" or not self.serve.router):
-            raise ValueError("autoscale adds and removes Slurm jobs behind the router: it needs "
-                             "cluster.scheduler 'slurm' and serve.router true (or remove autoscale)")
+        if self.autoscale and not self.serve.router:
+            raise ValueError("autoscale adds and removes replicas (Slurm jobs or local processes) behind the "
+                             "endpoint: it needs serve.router true (or remove autoscale)")
         for index, group in enumerate(self.replica_groups, start=1):
             problem = self._group_problem(group)
             if problem:

@@ -46,7 +46,7 @@ serve:
   host: 127.0.0.1
   port: 8000
   api_key_env: HPCSERVE_API_KEY   # unset or empty: hpcserve generates a key
-# autoscale, replica_groups, site: Slurm only (below)
+# replica_groups, site: Slurm only (below); autoscale (min 0: scale to zero) works here too
 results_dir: results
 """
 

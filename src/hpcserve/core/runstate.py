@@ -101,6 +101,7 @@ class RunState:
     driver_pid: int | None = None
     ray_gcs: str | None = None
     updated: float | None = None
+    sleep: dict | None = None  # a model that sleeps when idle: its wake as the controller last told it (protocol.Waking)
 
     @classmethod
     def read(cls, run_dir: Path | str) -> RunState:
@@ -116,7 +117,7 @@ class RunState:
                    decisions=[Decision(d["time"], d["action"], d["reason"]) for d in data.get("decisions") or []],
                    ready_answers=dict((data.get("ready_check") or {}).get("answers") or {}),
                    job_started=data.get("job_started"), driver_pid=data.get("driver_pid"),
-                   ray_gcs=(data.get("ray") or {}).get("gcs"), updated=data.get("updated"))
+                   ray_gcs=(data.get("ray") or {}).get("gcs"), updated=data.get("updated"), sleep=data.get("sleep"))
 
     @property
     def first_answer(self) -> str | None:

@@ -21,6 +21,8 @@ class RunStatus(StrEnum):
     DEGRADED = "degraded"  # ready, but a replica does not answer
     UNCONTROLLED = "uncontrolled"  # an endpoint whose controller is gone while its router or replicas run
     HOLDING = "holding"  # an endpoint's data plane has no replica to send to: requests wait (serve.hold_s)
+    ASLEEP = "asleep"  # autoscale.min 0: scaled to zero while idle; a request wakes it
+    WAKING = "waking"  # asleep, and a replica is queued or starting for the requests that came
 
     @property
     def final(self) -> bool:

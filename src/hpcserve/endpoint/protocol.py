@@ -15,6 +15,10 @@ The admin API, on the data plane's owner-only Unix socket (clients' port has no 
     GET  /models              -> Models: every model (room) the data plane serves, and its state
     PUT  /models/NAME         ModelSpec: a model joins (idempotent: its settings change) -> Models
     DELETE /models/NAME       the model leaves: no new request reaches it, its own run on -> Models
+    PUT  /waking              Waking: a model that sleeps when idle (autoscale.min 0), asleep, waking or serving
+    GET  /waking?after=N&wait_s=S  -> Wakes: requests that found the sleeping model without a replica; answered
+                              at once when more than N did, else when one does or after S seconds (a long poll:
+                              the controller hears of a request for a sleeping model at once)
 
 Several models share one data plane (one URL): each is a room of its own (its replicas, routing, admission,
 held requests, migrations). /backends, /handover and /migrations take ?model=NAME (MODEL_PARAM); without
@@ -41,6 +45,8 @@ METRICS = "/metrics"
 HEALTH = "/health"
 STATS = "/stats"
 MODELS = "/models"
+WAKING = "/waking"
+WAKE_POLL_MAX_S = 30.0  # the longest GET /waking waits for a request
 MODEL_PARAM = "model"  # ?model=NAME on /backends, /handover, /migrations: that model's room
 
 MAX_CAPACITY = 1 << 20
@@ -294,6 +300,81 @@ class ModelState(StrEnum):
 
     SERVING = "serving"  # some replica in its pool may take requests now
     STARTING = "starting"  # no replica yet (or none healthy): its requests are held up to hold_s, then 503
+    ASLEEP = "asleep"  # scaled to zero (autoscale.min 0): a request wakes it and waits (wake_wait_s)
+    WAKING = "waking"  # a replica is queued or starting for it: requests wait (wake_wait_s)
+
+
+class WakePhase(StrEnum):
+    """Where a model that sleeps when idle stands, as its controller tells the data plane (PUT /waking)."""
+
+    SERVING = "serving"  # a replica serves (or the model is not at zero)
+    ASLEEP = "asleep"  # no replica, none launched
+    QUEUED = "queued"  # a replica's job waits in Slurm's queue
+    STARTING = "starting"  # a replica's job (or local process) runs: the engine is starting
+
+
+@dataclass(frozen=True)
+class Waking:
+    """PUT /waking: the controller's word on a model that sleeps when idle (autoscale.min 0). The data plane
+    holds a request for it while no replica serves, up to wait_s, with SSE comments to a stream, and answers
+    503 with Retry-After early when ready_at is later than the request's wait allows."""
+
+    phase: WakePhase
+    since: float  # epoch seconds: when this phase began
+    wait_s: float  # autoscale.wake_wait_s: how long a request waits for a replica
+    reason: str | None = None  # while queued: Slurm's pending reason (Resources, Priority, ...)
+    position: int | None = None  # while queued: the job's place among the pending jobs, when known
+    ready_at: float | None = None  # epoch seconds: when a replica should serve (Slurm's start + startup); None: unknown
+    member: str | None = None  # the member waking
+
+    @classmethod
+    def from_json(cls, data: object) -> Waking:
+        """Raises ValueError naming what is wrong."""
+        if not isinstance(data, dict):
+            raise ValueError("a waking state is an object with 'phase', 'since' and 'wait_s'")
+        try:
+            phase = WakePhase(data.get("phase"))
+            since, wait_s = float(data["since"]), float(data["wait_s"])
+            ready_at = float(data["ready_at"]) if data.get("ready_at") is not None else None
+            position = int(data["position"]) if data.get("position") is not None else None
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"a waking state needs phase ({', '.join(WakePhase)}), since and wait_s as numbers: "
+                             f"{exc}") from None
+        if not wait_s > 0:
+            raise ValueError(f"wait_s must be > 0, not {wait_s}")
+        reason, member = data.get("reason"), data.get("member")
+        return cls(phase, since, wait_s, str(reason)[:200] if reason else None, position, ready_at,
+                   str(member)[:200] if member else None)
+
+    def to_json(self) -> dict:
+        return {"phase": str(self.phase), "since": self.since, "wait_s": self.wait_s, "reason": self.reason,
+                "position": self.position, "ready_at": self.ready_at, "member": self.member}
+
+    def describe(self, now: float) -> str:
+        """e.g. "queued 12 s (Resources, position 3)", "engine starting 40 s", "asleep". Pure."""
+        took = f"{max(0.0, now - self.since):.0f} s"
+        if self.phase is WakePhase.QUEUED:
+            why = ", ".join(part for part in (self.reason, self.position and f"position {self.position}") if part)
+            return f"queued {took}" + (f" ({why})" if why else "")
+        if self.phase is WakePhase.STARTING:
+            return f"engine starting {took}"
+        return str(self.phase)
+
+
+@dataclass(frozen=True)
+class Wakes:
+    """GET /waking: requests that found the sleeping model without a replica (counted since the data plane
+    started; a supervisor sums its workers'), and those held for it now."""
+
+    asked: int
+    held: int = 0
+
+    @classmethod
+    def from_json(cls, data: dict) -> Wakes:
+        return cls(int(data.get("asked") or 0), int(data.get("held") or 0))
+
+    def to_json(self) -> dict:
+        return {"asked": self.asked, "held": self.held}
 
 
 @dataclass(frozen=True)

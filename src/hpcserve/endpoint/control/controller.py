@@ -29,7 +29,7 @@ from hpcserve.core.statuses import MemberRole, MemberStatus, RunStatus, Stage
 from hpcserve.deployment.process import Stop
 from hpcserve.deployment.runs import Launcher, Runs, expected_start
 from hpcserve.deployment.watch import StartWatch
-from hpcserve.endpoint.control.decisions import leave_reason, replace_failed_launch, served_during
+from hpcserve.endpoint.control.decisions import PlaneLoad, leave_reason, replace_failed_launch, served_during
 from hpcserve.endpoint.control.members import (
     Member,
     free_slot,
@@ -43,7 +43,9 @@ from hpcserve.endpoint.control.policies.handover import Handover
 from hpcserve.endpoint.control.policies.member_requests import MemberRequests
 from hpcserve.endpoint.control.policies.migration_notes import MigrationNotes
 from hpcserve.endpoint.control.policies.scaling import Autoscaler, SelfHealing
+from hpcserve.endpoint.control.policies.sleeping import Sleeper
 from hpcserve.endpoint.control.pool import ROTATION_S, Pool
+from hpcserve.endpoint.protocol import Backends
 from hpcserve.slurm.parse import WillRun
 from hpcserve.slurm.states import JobInfo
 
@@ -79,7 +81,9 @@ class Controller:
         self.lock = threading.RLock()
         self.pool = Pool(router, api_key, cfg.model.name, TICK_S, self.serving_backends)
         self.autoscaler = Autoscaler(cfg.autoscale)
-        self.policies = [SelfHealing(), self.autoscaler, Handover(cfg), MigrationNotes(), MemberRequests(run_dir)]
+        self.sleeper = Sleeper(cfg.autoscale)
+        self.policies = [SelfHealing(), self.autoscaler, self.sleeper, Handover(cfg), MigrationNotes(),
+                         MemberRequests(run_dir)]
         self.decisions: list[Decision] = []
         self.failed_launches = 0  # members in a row that never became ready
         self.forwarded = 0
@@ -178,6 +182,11 @@ class Controller:
 
     def member(self, name: str) -> Member:
         return next(m for m in self.members if m.name == name)
+
+    def plane_load(self) -> PlaneLoad:
+        answer = Backends.from_json(self.router.backends_json())
+        in_flight = sum(b.in_flight for b in [*answer.backends, *answer.retired])
+        return PlaneLoad(in_flight, answer.held)
 
     def base_layout(self) -> Layout:
         return Layout(**self.members[0].layout)
@@ -372,6 +381,7 @@ class Controller:
     def close(self) -> None:
         """The threads and connections of the control plane itself (members and router are stopped apart)."""
         self.joiner.shutdown(wait=False, cancel_futures=True)
+        self.sleeper.close()
         self.pool.close()
 
     # ------------------------------------------------------------ state
@@ -399,6 +409,7 @@ class Controller:
                                control={"rounds": self.rounds, **control_figures(list(self.round_s), list(self.step_s),
                                                                                  self.runs.slurm_queries())},
                                autoscale=self.autoscaler.last,
+                               sleep=self.sleeper.told_json(),
                                decisions=[d.to_dict() for d in self.decisions[-20:]])
 
 

@@ -1,7 +1,9 @@
 """The endpoint controller's decisions, as pure functions over what it observed (tested without a cluster).
 
 - health:   when a backend leaves the pool (failed probes) and when a joining one may take traffic
-- autoscale: when to add a replica (queue above target for a while) or drain one (idle for a while)
+- autoscale: when to add a replica (queue above target for a while) or drain one (idle for a while); with
+             autoscale.min 0, when the model sleeps (its last replica idle for idle_s, nothing in flight or
+             held) and when a request wakes it
 - walltime: when a job must get its successor, so the endpoint outlives the job's time limit
 - adoption: what a new controller does with each member and backend a lost controller left running
 """
@@ -16,6 +18,9 @@ from hpcserve.core.config import AutoscaleSpec
 from hpcserve.core.statuses import Adoption, MemberRole, MemberStatus
 from hpcserve.planning.walltime import HANDOVER_MARGIN_S, HANDOVER_STARTUP_FACTOR, handover_lead_s
 from hpcserve.engine.metrics import EngineLoad
+from hpcserve.endpoint.protocol import Waking, WakePhase
+from hpcserve.slurm.parse import slurm_epoch
+from hpcserve.slurm.states import JobInfo, JobState
 
 # A backend whose probes failed this many times in a row leaves the pool. With a probe every second
 # and a one-second timeout, a dead backend is out within about 3 s.
@@ -109,8 +114,16 @@ class LoadSample:
 
 
 @dataclass(frozen=True)
+class PlaneLoad:
+    """What the data plane counts for the model now: requests in flight through it, and held (no replica)."""
+
+    in_flight: int
+    held: int
+
+
+@dataclass(frozen=True)
 class ScaleDecision:
-    action: Literal["up", "down", "hold"]
+    action: Literal["up", "down", "hold", "sleep", "wake"]
     reason: str
     backend: str | None = None  # for "down": the one to drain
 
@@ -119,9 +132,10 @@ class ScaleDecision:
 
 
 def decide_scale(spec: AutoscaleSpec, history: list[LoadSample], replicas: int, starting: int,
-                 idle_since: dict[str, float], now: float) -> ScaleDecision:
+                 idle_since: dict[str, float], now: float, plane: PlaneLoad | None = None) -> ScaleDecision:
     """replicas: backends taking traffic; starting: replicas submitted but not yet in the pool;
-    idle_since: backend -> when it last had a request waiting or running."""
+    idle_since: backend -> when it last had a request waiting or running; plane: the data plane's counts
+    (asked only when the last replica of a model that sleeps may go: decide_sleep)."""
     total = replicas + starting
     if total < spec.min:
         return ScaleDecision("up", f"{total} replica(s) running or starting, fewer than autoscale.min {spec.min}")
@@ -136,12 +150,65 @@ def decide_scale(spec: AutoscaleSpec, history: list[LoadSample], replicas: int, 
                                  f"but already at autoscale.max {spec.max}")
         return ScaleDecision("up", f"at least {queue:.1f} requests waiting per replica for {spec.scale_up_after_s:g} s "
                              f"(target {spec.target_queue:g})")
-    idle = sorted((since, backend) for backend, since in idle_since.items() if now - since >= spec.scale_down_after_s)
+    last = replicas == 1 and spec.sleeps  # the last replica of a model that sleeps: idle_s, not scale_down_after_s
+    after_s = spec.idle_s if last and spec.idle_s is not None else spec.scale_down_after_s
+    idle = sorted((since, backend) for backend, since in idle_since.items() if now - since >= after_s)
     if idle and replicas > spec.min:
         since, backend = idle[0]
+        if last:
+            return decide_sleep(spec, backend, now - since, plane)
         return ScaleDecision("down", f"{backend} idle for {now - since:.0f} s (>= {spec.scale_down_after_s:g} s) and "
                              f"{replicas} replicas > autoscale.min {spec.min}", backend)
     return ScaleDecision("hold", "load within target")
+
+
+def decide_sleep(spec: AutoscaleSpec, backend: str, idle_for: float, plane: PlaneLoad | None) -> ScaleDecision:
+    """The model's last replica, idle for idle_for >= autoscale.idle_s: it goes (the model sleeps) only when
+    the data plane has no request for the model in flight or held now (the engines' figures are a probe
+    late; a request that arrives after this look is held and wakes the model: decide_wake). Pure."""
+    if plane is None:
+        return ScaleDecision("hold", f"{backend} idle for {idle_for:.0f} s, but the data plane's counts are not "
+                             "known: not asleep yet")
+    if plane.in_flight or plane.held:
+        return ScaleDecision("hold", f"{backend} idle for {idle_for:.0f} s by its engine, but the data plane has "
+                             f"{plane.in_flight} request(s) in flight and {plane.held} held: not asleep")
+    return ScaleDecision("sleep", f"{backend} idle for {idle_for:.0f} s (>= autoscale.idle_s {spec.idle_s:g}), no "
+                         "request in flight or held: the model sleeps (autoscale.min 0), a request wakes it", backend)
+
+
+def decide_wake(spec: AutoscaleSpec | None, replicas: int, starting: int, asked: int, held: int) -> ScaleDecision:
+    """A model that sleeps, with no replica serving or starting: one is launched when a request asked for it
+    (asked: requests that found no replica since the last look) or one is held now. Pure."""
+    if spec is None or not spec.sleeps:
+        return ScaleDecision("hold", "the model does not sleep (autoscale.min >= 1)")
+    if replicas or starting:
+        return ScaleDecision("hold", f"{replicas} replica(s) serving, {starting} starting: awake")
+    if not asked and not held:
+        return ScaleDecision("hold", "asleep: no request for the model")
+    return ScaleDecision("wake", f"{max(asked, held)} request(s) for the sleeping model and no replica serving or "
+                         "starting: one launched (the requests wait up to autoscale.wake_wait_s "
+                         f"{spec.wake_wait_s:g} s)")
+
+
+def wake_state(wait_s: float, serving: bool, member: tuple[str, float] | None, job: JobInfo | None,
+               startup_s: float | None, asleep_since: float, now: float) -> Waking:
+    """Where a model that sleeps stands, for the data plane (PUT /waking). member: the one launching to serve
+    (name, launched at), None when none is; job: its Slurm job as Slurm reports it (None: a local process, or
+    not known yet); startup_s: the startup measured (job start to serving), None before any. ready_at is
+    given only from Slurm's expected start or a measured startup, never guessed: the data plane refuses
+    early only on it. Pure."""
+    if serving:
+        return Waking(WakePhase.SERVING, asleep_since, wait_s)
+    if member is None:
+        return Waking(WakePhase.ASLEEP, asleep_since, wait_s)
+    name, launched = member
+    if job is not None and job.state is JobState.PENDING:
+        start = slurm_epoch(job.start_time)
+        ready = start + (startup_s or 0.0) if start is not None else None
+        return Waking(WakePhase.QUEUED, launched, wait_s, job.reason, None, ready, name)
+    started = (slurm_epoch(job.start_time) if job is not None else None) or launched
+    return Waking(WakePhase.STARTING, started, wait_s, None, None,
+                  started + startup_s if startup_s is not None else None, name)
 
 
 def update_idle_since(idle_since: dict[str, float], sample: LoadSample,

@@ -9,6 +9,8 @@ driven over its admin socket by the controller.
     router.set_saturated({url})     # engines that queue (from vLLM's /metrics): skipped while others have room
     router.backends()               # [protocol.BackendState(url, healthy, in_flight, capacity, saturated, ...)]
     router.attach(pid)              # a new controller takes over a data plane that kept running
+    router.set_waking(Waking(...))  # a model that sleeps when idle: asleep, queued, starting, serving
+    router.wakes(after, wait_s)     # requests that found it without a replica (a long poll: returns on one)
     router.stop()                   # SIGTERM to its process group by recorded PID, then SIGKILL
 
 A deployment that joins another's endpoint (serve.join) drives that data plane's room for its own model
@@ -55,6 +57,7 @@ from hpcserve.endpoint.protocol import (
     MODELS,
     MODULE,
     PROCESS_TITLE,
+    WAKING,
     Backends,
     BackendSpec,
     BackendState,
@@ -64,6 +67,8 @@ from hpcserve.endpoint.protocol import (
     Health,
     Models,
     ModelSpec,
+    Wakes,
+    Waking,
 )
 from hpcserve.engine.capacity import DEFAULT_MAX_NUM_SEQS
 from hpcserve.engine.client import completion_probe, health_ok
@@ -381,6 +386,23 @@ class Router:
         return self._admin_call("GET", METRICS).text
 
     # -------------------------------------------------------------- helpers
+
+    def set_waking(self, waking: Waking) -> None:
+        """The model's wake as the controller sees it: the data plane holds, comments and refuses by it."""
+        self._admin_call("PUT", WAKING, json=waking.to_json())
+
+    def wakes(self, after: int = -1, wait_s: float = 0.0) -> Wakes:
+        """Requests that found the sleeping model without a replica: at once when more than `after` did, else
+        when one does or after wait_s (the data plane's long poll)."""
+        try:
+            response = self._admin.get(WAKING, params={**self._scope, "after": after, "wait_s": wait_s},
+                                       timeout=httpx.Timeout(wait_s + 10.0, connect=2.0))
+        except httpx.HTTPError as exc:
+            raise RouterError(f"the router's admin socket {self.admin_socket} did not answer GET {WAKING}: "
+                              f"{exc}") from exc
+        if response.status_code >= 400:
+            raise RouterError(f"the router refused GET {WAKING}: HTTP {response.status_code} {response.text[:200]}")
+        return Wakes.from_json(response.json())
 
     def _put(self) -> None:
         with self._lock:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 from hpcserve.core.files import read_json, write_json
@@ -26,6 +27,7 @@ from hpcserve.endpoint.control.holding import holding, read_backends, read_model
 from hpcserve.endpoint.control.joining import dataplane_of
 from hpcserve.endpoint.control.members import Member
 from hpcserve.endpoint.control.run import EndpointCheck, MemberCheck, inspect_endpoint
+from hpcserve.endpoint.protocol import ModelState, WakePhase, Waking
 from hpcserve.engine.client import health_ok
 
 
@@ -51,6 +53,7 @@ class DeploymentStatus:
     total: int | None = None  # replicas in the pool + lost ones still counted: "up/total up"
     lost: list[dict] = field(default_factory=list)  # every lost member (Loss), counted or not
     models: list[dict] = field(default_factory=list)  # every model behind its URL (protocol.ModelRoom's JSON)
+    sleep: str | None = None  # autoscale.min 0, no replica: "asleep" or "waking: queued 12 s (Resources)"
 
     def to_json(self) -> dict:
         """Plain JSON values (statuses and paths as text): what `hpcserve status --json` prints."""
@@ -82,19 +85,35 @@ def deployment_status(record: Record) -> DeploymentStatus:
     decisions = [d.to_dict() for d in state.decisions]
     # What clients get, asked of the data plane: the controller's file says ready while a late successor
     # leaves the pool empty (endpoint/control/holding.py), and requests may wait for room in the KV caches
-    answer, models = None, []
+    answer, models, model = None, [], None
     if record.kind is RunKind.ENDPOINT and current in (RunStatus.READY, RunStatus.DEGRADED):
         admin_socket, model = dataplane_of(record)  # a joined model's data plane is its host's
         answer = read_backends(admin_socket, model)
         models = read_models(admin_socket) or []
     hold = holding(answer, members, decisions) if answer else None
+    sleep = sleep_line(state.sleep, models, model, time.time())
+    if sleep is not None:  # asleep or waking: what holds requests is the wake, said in its own words
+        current, hold = RunStatus.WAKING if sleep.startswith("waking") else RunStatus.ASLEEP, None
     return DeploymentStatus(record.name, record.scheduler, RunStatus.HOLDING if hold else current, state.stage,
                             gone or run.runner_line(), record.run_dir, replicas,
                             state.error.to_dict() if state.error else None, record.job_id, stages,
                             state.endpoint_url, members, decisions, holding=hold,
                             admission_waiting=int(answer.get("waiting") or 0) if answer else 0,
                             up=count.up, total=count.total, lost=[asdict(loss) for loss in count.losses],
-                            models=models)
+                            models=models, sleep=sleep)
+
+
+def sleep_line(told: dict | None, models: list[dict], model: str | None, now: float) -> str | None:
+    """"asleep", or "waking: queued 12 s (Resources)" / "waking: engine starting 40 s", for a model that
+    sleeps when idle while the data plane has no replica of it (its GET /models says so); None otherwise.
+    Pure."""
+    room = next((m for m in models if m.get("name") == model or (model is None and m.get("own"))), None)
+    if told is None or room is None or room.get("state") not in (ModelState.ASLEEP, ModelState.WAKING):
+        return None
+    waking = Waking.from_json(told)
+    if room["state"] == ModelState.ASLEEP or waking.phase in (WakePhase.ASLEEP, WakePhase.SERVING):
+        return f"asleep since {datetime.fromtimestamp(waking.since):%H:%M:%S}: a request wakes it (autoscale.min 0)"
+    return f"waking: {waking.describe(now)}; requests wait up to {waking.wait_s:g} s (autoscale.wake_wait_s)"
 
 
 def uncontrolled_status(record: Record, state: RunState, check: EndpointCheck) -> DeploymentStatus:

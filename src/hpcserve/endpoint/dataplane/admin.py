@@ -12,8 +12,10 @@ whose requests and answers are endpoint.protocol's (the contract with the contro
     GET  /models            protocol.Models: the models (rooms) served here, each with its state
     PUT  /models/NAME       protocol.ModelSpec: a model joins (or its settings change)
     DELETE /models/NAME     the model leaves (its held requests get 404; its running ones finish)
+    PUT  /waking            protocol.Waking: a model that sleeps when idle, as its controller sees it (waking.py)
+    GET  /waking?after=N&wait_s=S  protocol.Wakes: requests that found it without a replica (a long poll)
 
-/backends, /handover and /migrations act on one model's room: ?model=NAME, or without it the data plane's
+/backends, /handover, /migrations and /waking act on one model's room: ?model=NAME, or without it the data plane's
 own model (so a controller that knows of one model only works as before). A model not here: 404.
 """
 
@@ -36,6 +38,8 @@ from hpcserve.endpoint.protocol import (
     MODEL_PARAM,
     MODELS,
     STATS,
+    WAKE_POLL_MAX_S,
+    WAKING,
     Backends,
     BackendState,
     DesiredBackends,
@@ -46,6 +50,7 @@ from hpcserve.endpoint.protocol import (
     Migrations,
     ModelSpec,
     RetiredBackend,
+    Waking,
 )
 
 
@@ -149,6 +154,26 @@ class Admin:
     async def get_models(self, _request: web.Request) -> web.Response:
         return web.json_response(self.plane.rooms.models(time.monotonic()).to_json())
 
+    async def put_waking(self, request: web.Request) -> web.Response:
+        room = self.room(request)
+        try:
+            waking = Waking.from_json(await request.json())
+        except ValueError as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+        room.sleep.set(waking)
+        room.wake()  # waiting requests look again (their comments and refusals follow the new phase)
+        return web.json_response(waking.to_json())
+
+    async def get_waking(self, request: web.Request) -> web.Response:
+        room = self.room(request)
+        try:
+            after = int(request.query.get("after", "-1"))
+            wait_s = min(float(request.query.get("wait_s", "0")), WAKE_POLL_MAX_S)
+        except ValueError:
+            return web.json_response({"error": "after must be a whole number, wait_s a number"}, status=400)
+        wakes = await room.sleep.wakes(after, wait_s, 0)
+        return web.json_response(wakes.__class__(wakes.asked, room.held).to_json())
+
     async def put_model(self, request: web.Request) -> web.Response:
         own = self.plane.rooms.own
         if request.match_info["name"] == own.name:  # another deployment's would take it over
@@ -197,5 +222,6 @@ def admin_app(plane) -> web.Application:
                     web.post(HANDOVER, admin.post_handover), web.get(MIGRATIONS, admin.get_migrations),
                     web.get(METRICS, admin.get_metrics), web.get(HEALTH, admin.get_health),
                     web.get(STATS, admin.get_stats), web.get(MODELS, admin.get_models),
-                    web.put(MODELS + "/{name}", admin.put_model), web.delete(MODELS + "/{name}", admin.delete_model)])
+                    web.put(MODELS + "/{name}", admin.put_model), web.delete(MODELS + "/{name}", admin.delete_model),
+                    web.put(WAKING, admin.put_waking), web.get(WAKING, admin.get_waking)])
     return app

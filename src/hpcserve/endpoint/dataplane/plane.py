@@ -72,6 +72,7 @@ from hpcserve.endpoint.dataplane.settings import Settings, parse_args
 from hpcserve.endpoint.dataplane.routing.log import RoutingLog
 from hpcserve.endpoint.dataplane.streams import Lease, Stream
 from hpcserve.endpoint.dataplane.tenants import Visit, limit_refusal, model_refusal, tenant_view
+from hpcserve.endpoint.dataplane.waking import answer_in_stream, wait_for_wake, waiting_stream
 from hpcserve.endpoint.dataplane.workers import supervise
 from hpcserve.tenancy.limits import missing_max_tokens
 from hpcserve.tenancy.settings import TenancySettings
@@ -306,7 +307,12 @@ class DataPlane:
         resent = 0
         while True:
             backend = self.choose(room.pool, room.policy, affinity, time.monotonic(), tried)
-            if backend is None:
+            if backend is None and room.sleep.enabled and not room.pool.active:  # asleep or waking: waking.py
+                hold_until = hold_until or time.monotonic() + room.sleep.waking.wait_s
+                backend = await wait_for_wake(self, request, room, affinity, body, hold_until, waking_refusal)
+                if not isinstance(backend, Backend):  # a stream whose wait ran out, answered
+                    return backend
+            elif backend is None:
                 hold_until = hold_until or time.monotonic() + room.hold_s  # one hold per request
                 backend = await self.hold(room, affinity, hold_until)
             tried += (backend,)
@@ -389,16 +395,21 @@ class DataPlane:
             raise
         out_headers = CIMultiDict(wire.returned_headers(upstream.headers.items()))
         visit = request.get(VISIT)
+        waiting = waiting_stream(request)  # a stream begun while its model woke: the answer goes on in it
         if whole:
             upstream.release()
             if visit is not None:
                 visit.whole_answer(first)
+            if waiting is not None:
+                return await answer_in_stream(waiting, upstream.status, first)
             return web.Response(status=upstream.status, body=first, headers=out_headers)
         if visit is not None:
             visit.first_byte = time.monotonic()
         if migratable is not None and upstream.status == 200:
-            response = request[RelayedStream.KEY] = RelayedStream(status=upstream.status, headers=out_headers)
-            await response.prepare(request)
+            response = waiting or RelayedStream(status=upstream.status, headers=out_headers)
+            if waiting is None:
+                request[RelayedStream.KEY] = response
+                await response.prepare(request)
             stream = Stream(self, room, response, lease, migratable, headers)
             try:
                 await stream.run(upstream, first)
@@ -409,8 +420,10 @@ class DataPlane:
             return response
         done = False
         try:
-            response = request[RelayedStream.KEY] = RelayedStream(status=upstream.status, headers=out_headers)
-            await response.prepare(request)
+            response = waiting or RelayedStream(status=upstream.status, headers=out_headers)
+            if waiting is None:
+                request[RelayedStream.KEY] = response
+                await response.prepare(request)
             chunk, silence = first, self.settings.read_timeout_s
             while chunk:
                 await response.write(chunk)
@@ -451,6 +464,10 @@ class DataPlane:
         where = f"to {migration.to}" if migration.to else f"not moved: {migration.reason}"
         log.info("migration (%s) of a %s stream from %s after %d token(s): %s", migration.cause, migration.kind,
                  migration.source, migration.tokens, where)
+
+
+def waking_refusal(status: int, body: bytes, retry_after: int) -> Refusal:
+    return Refusal(status, body, retry_after=retry_after if status == 503 else False)
 
 
 def body_json(body: bytes, content_type: str | None) -> dict | None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections import deque
 from pathlib import Path
 
@@ -28,7 +29,8 @@ from hpcserve.endpoint.dataplane.admission import Admission, FairShare
 from hpcserve.endpoint.dataplane.kv_feed import Feeds
 from hpcserve.endpoint.dataplane.routing.prompt_tokens import PromptTokenizer
 from hpcserve.endpoint.dataplane.routing.table import RoutingTable
-from hpcserve.endpoint.protocol import Migration, ModelRoom, Models, ModelState
+from hpcserve.endpoint.dataplane.waking import Sleep
+from hpcserve.endpoint.protocol import Migration, ModelRoom, Models, ModelState, WakePhase
 
 MIGRATION_LOG = 1000  # the last migrations kept per model for GET /migrations
 OWNED_BY = "hpcserve"
@@ -49,6 +51,7 @@ class Room:
         self.migration_log: deque[Migration] = deque(maxlen=MIGRATION_LOG)
         self.closed = False  # removed: held requests leave with 404, none new comes
         self.held = 0  # its requests held now (what its deployment's `status` calls holding)
+        self.sleep = Sleep()  # a model that sleeps when idle (autoscale.min 0): its wake (waking.py)
 
     def load_tokenizer(self, session, raw_key: str | None, folder: Path | None, template: Path | None) -> str | None:
         """Prompts as the engines' token ids (prefix policy only), and their KV events followed. Returns a
@@ -68,7 +71,12 @@ class Room:
         self.admission.admit()
 
     def state(self, now: float) -> ModelState:
-        return ModelState.SERVING if any(b.failed_until <= now for b in self.pool.active) else ModelState.STARTING
+        if any(b.failed_until <= now for b in self.pool.active):
+            return ModelState.SERVING
+        waking = self.sleep.waking
+        if waking is not None and not self.pool.active:
+            return ModelState.WAKING if waking.phase in (WakePhase.QUEUED, WakePhase.STARTING) else ModelState.ASLEEP
+        return ModelState.STARTING
 
     def describe(self, now: float, own: bool) -> ModelRoom:
         healthy = sum(1 for b in self.pool.active if b.failed_until <= now)
@@ -155,8 +163,11 @@ def models_answer(rooms: Rooms, created: int, now: float, name: str | None = Non
     """GET /v1/models (or /v1/models/NAME) as OpenAI clients read it, with each model's state. Pure."""
     def card(room: Room) -> dict:
         state = room.describe(now, room is rooms.own)
-        return {"id": room.name, "object": "model", "created": created, "owned_by": OWNED_BY, "root": room.name,
+        card = {"id": room.name, "object": "model", "created": created, "owned_by": OWNED_BY, "root": room.name,
                 "state": str(state.state), "replicas": state.healthy}
+        if state.state in (ModelState.ASLEEP, ModelState.WAKING):  # e.g. "queued 12 s (Resources)"
+            card["waking"] = room.sleep.waking.describe(time.time())
+        return card
 
     if name is None:
         return 200, json.dumps({"object": "list", "data": [card(room) for room in rooms]}).encode()

@@ -35,6 +35,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from urllib.parse import quote
 
 import aiohttp
 from aiohttp import web
@@ -49,13 +50,17 @@ from hpcserve.endpoint.protocol import (
     HEALTH,
     METRICS,
     MIGRATIONS,
+    MODEL_PARAM,
     MODELS,
     PROCESS_TITLE,
     STATS,
+    WAKE_POLL_MAX_S,
+    WAKING,
     DesiredBackends,
     HandingOver,
     Health,
     Migrations,
+    Wakes,
 )
 
 PR_SET_PDEATHSIG = 1
@@ -65,6 +70,7 @@ COUNTS = struct.Struct("=II")  # text blocks, token ids
 WORKER_CALL_S = 10.0
 WORKER_START_S = 30.0
 REAP_S = 0.5
+WAKE_POLL_S = 0.05  # GET /waking's long poll asks the workers this often
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +228,8 @@ class Supervisor:
                         web.post(HANDOVER, self.post_handover), web.get(MIGRATIONS, self.get_migrations),
                         web.get(METRICS, self.get_metrics), web.get(HEALTH, self.get_health),
                         web.get(MODELS, self.get_models), web.put(MODELS + "/{name}", self.change_model),
-                        web.delete(MODELS + "/{name}", self.change_model)])
+                        web.delete(MODELS + "/{name}", self.change_model), web.put(WAKING, self.put_waking),
+                        web.get(WAKING, self.get_waking)])
         runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=1.0)
         await runner.setup()
         await self.workers_listening()  # a PUT before that would find a worker's socket not yet listening
@@ -345,6 +352,32 @@ class Supervisor:
             status, data = failed[0]
             return web.json_response(data, status=status if status in (400, 409) else 502)
         return web.json_response(answers[0][1] if answers else {"models": []})
+
+    async def put_waking(self, request: web.Request) -> web.Response:
+        """To every worker: each holds its own requests for the model."""
+        answers = await self.each("PUT", scoped(WAKING, request), await request.read())
+        failed = [(status, data) for status, data in answers if status != 200]
+        if failed:
+            status, data = failed[0]
+            return web.json_response(data, status=status if status in (400, 404) else 502)
+        return web.json_response(answers[0][1] if answers else {})
+
+    async def get_waking(self, request: web.Request) -> web.Response:
+        """The workers' counts summed; a long poll here asks them every WAKE_POLL_S until more asked."""
+        model = request.query.get(MODEL_PARAM)
+        path = WAKING + (f"?{MODEL_PARAM}={quote(model)}" if model is not None else "")
+        try:
+            after = int(request.query.get("after", "-1"))
+            wait_s = min(float(request.query.get("wait_s", "0")), WAKE_POLL_MAX_S)
+        except ValueError:
+            return web.json_response({"error": "after must be a whole number, wait_s a number"}, status=400)
+        deadline = time.monotonic() + wait_s
+        while True:
+            answers = [data for status, data in await self.each("GET", path) if status == 200]
+            wakes = Wakes(sum(Wakes.from_json(a).asked for a in answers), sum(Wakes.from_json(a).held for a in answers))
+            if wakes.asked > after or time.monotonic() >= deadline:
+                return web.json_response(wakes.to_json())
+            await asyncio.sleep(WAKE_POLL_S)
 
     async def get_metrics(self, _request: web.Request) -> web.Response:
         parts = [data for status, data in await self.each("GET", STATS) if status == 200]

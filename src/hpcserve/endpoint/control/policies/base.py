@@ -13,6 +13,10 @@ from hpcserve.slurm.parse import WillRun
 from hpcserve.slurm.states import JobInfo
 
 if TYPE_CHECKING:  # the pool brings the prober's async HTTP stack: not for every CLI call that reads a policy
+    import threading
+
+    from hpcserve.endpoint.control.decisions import PlaneLoad
+    from hpcserve.endpoint.control.plane_client import Router
     from hpcserve.endpoint.control.pool import Pool
 
 
@@ -21,6 +25,9 @@ class ControlPlane(Protocol):
     decisions: list[Decision]
     failed_launches: int
     pool: Pool
+    router: Router
+    lock: threading.RLock
+    stop_requested: str | None
 
     def launch(self, role: MemberRole, layout: Layout, replaces: str | None = None, group: int = 0) -> Member: ...
 
@@ -37,6 +44,9 @@ class ControlPlane(Protocol):
     def base_layout(self) -> Layout: ...
 
     def serving_backends(self) -> list[str]: ...
+
+    def plane_load(self) -> PlaneLoad:
+        """The data plane's requests in flight and held for this model now (GET /backends)."""
 
     def job(self, member: Member) -> JobInfo | None:
         """Its Slurm job as Slurm reports it now (None: no job, or Slurm does not know it)."""

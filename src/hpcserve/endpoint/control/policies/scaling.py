@@ -1,6 +1,8 @@
 """How many members serve: self-healing keeps their count (a member that was lost, not drained on purpose,
 gets a replacement, until launches keep failing); autoscale follows the load (one more member when the
-queue stays above target, an idle one drained; the decision itself is decisions.decide_scale, pure)."""
+queue stays above target, an idle one drained; with autoscale.min 0 the last one too, after idle_s with
+nothing in flight or held in the data plane: the model sleeps, and policies.sleeping wakes it; the decision
+itself is decisions.decide_scale, pure)."""
 
 from __future__ import annotations
 
@@ -52,8 +54,10 @@ class Autoscaler:
             return
         self.idle_since = update_idle_since(self.idle_since, history[-1], history[-2] if len(history) > 1 else None)
         starting = sum(1 for m in ctl.members if m.status is MemberStatus.LAUNCHING)
-        decision = decide_scale(self.spec, history, len(ctl.serving_backends()), starting, self.idle_since,
-                                time.time())
+        serving = len(ctl.serving_backends())
+        # The last replica of a model that sleeps goes only with nothing in flight or held: asked of the data plane
+        plane = ctl.plane_load() if self.spec.sleeps and serving == 1 and not starting else None
+        decision = decide_scale(self.spec, history, serving, starting, self.idle_since, time.time(), plane)
         self.last = {**decision.as_dict(), "waiting_per_replica": round(history[-1].waiting_per_replica(), 2),
                      "samples": len(history)}
         if decision.action == "up" and ctl.failed_launches >= MAX_FAILED_LAUNCHES:
@@ -69,6 +73,11 @@ class Autoscaler:
         elif decision.action == "down" and decision.backend:
             ctl.decide("scale down", decision.reason)
             ctl.drain(decision.backend, f"drained: {decision.reason}")
+        elif decision.action == "sleep" and decision.backend:
+            # Out of the data plane first: a request from now on is held there and wakes the model
+            ctl.decide("sleep", decision.reason)
+            ctl.drain(decision.backend, f"asleep: {decision.reason}")
+            history.clear()
 
     def forget(self, url: str) -> None:
         self.idle_since.pop(url, None)
