@@ -10,10 +10,12 @@ worker each, the same flags but one with --tenancy: a real SQLite store with --u
 requests-per-minute, tokens-per-minute and tokens-per-day limit far above what the run sends, and the
 default caps), the requests spread over the users' keys; the other with the deployment's key alone. Per
 block, a closed loop of --clients requests in flight (aiohttp in this process), non-streamed then streamed:
-- the data plane's CPU per request (its process's user + system time over the block / requests answered);
+- the data plane's CPU per request (its process's user + system time over the block / requests answered), and
+  its event loop's alone (the main thread's; the rest is the tenancy thread's: keys, counts, usage writes);
 - stream chunks per second received by the clients.
 Prints one line per figure and mode, the ratios on / off, and the whole result as JSON (also --json); the
 usage rows written during the run are counted against the requests answered (each once).
+Both data planes run on the last core this process may use (they take turns), everything else on the others.
 Processes are started in sessions of their own and stopped by their PIDs; the temporary folder goes at the end.
 """
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -42,9 +45,12 @@ MODES = ("off", "on")
 PROMPT = "The quick brown fox jumps over the lazy dog and keeps running through the"
 
 
-def cpu_seconds(pid: int) -> float:
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """The data plane's CPU seconds (its process and children), and those of its main thread (the event loop)."""
     process = psutil.Process(pid)
-    return sum(t.user + t.system for t in (p.cpu_times() for p in [process, *process.children(recursive=True)]))
+    total = sum(t.user + t.system for t in (p.cpu_times() for p in [process, *process.children(recursive=True)]))
+    main = next((t.user_time + t.system_time for t in process.threads() if t.id == pid), 0.0)
+    return total, main
 
 
 async def block(url: str, pid: int, keys: list[str], clients: int, stream: bool, tokens: int, seconds: float) -> dict:
@@ -75,14 +81,24 @@ async def block(url: str, pid: int, keys: list[str], clients: int, stream: bool,
                 record["requests" if ok else "failed"] += 1
 
         await asyncio.gather(*(worker(i) for i in range(clients)))
-        record.update(wall_s=time.perf_counter() - started, cpu_s=cpu_seconds(pid) - cpu0)
+        cpu1 = cpu_seconds(pid)
+        record.update(wall_s=time.perf_counter() - started, cpu_s=cpu1[0] - cpu0[0], loop_cpu_s=cpu1[1] - cpu0[1])
     return record
+
+
+def pin(pid: int, cores: list[int]) -> None:
+    """Both data planes share one core of their own (they take turns, block by block), the clients and
+    stand-ins the others: otherwise each mode's process lands where the scheduler puts it, and a core it shares
+    with the busy client makes every operation in it slower, which alternating blocks cannot even out."""
+    if cores:
+        psutil.Process(pid).cpu_affinity(cores)
 
 
 def summary(blocks: list[dict], stream: bool) -> dict:
     requests, wall = sum(b["requests"] for b in blocks), sum(b["wall_s"] for b in blocks)
     figures = {"requests": requests, "failed": sum(b["failed"] for b in blocks),
                "cpu_ms_per_request": round(1000 * sum(b["cpu_s"] for b in blocks) / max(requests, 1), 4),
+               "loop_cpu_ms_per_request": round(1000 * sum(b["loop_cpu_s"] for b in blocks) / max(requests, 1), 4),
                "req_per_s": round(requests / wall, 1)}
     if stream:
         figures["chunks_per_s"] = round(sum(b["chunks"] for b in blocks) / wall, 1)
@@ -118,6 +134,7 @@ def main() -> int:
                         help="the data plane's usage_flush_s (how often its rows are written)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    cores = sorted(os.sched_getaffinity(0))
     with workspace("hpcserve-tenancy-bench-") as here:
         key_file = here.key_file(KEY)
         urls = []
@@ -140,7 +157,11 @@ def main() -> int:
                             admin_socket=here.folder / mode / "admin.sock", options=options)
             here.routers.append(router)
             router.start(urls)
+            pin(router.pid, [cores[-1]])
             targets[mode] = (router.url, router.pid, keys if mode == "on" else [KEY])
+        for process in here.processes:
+            pin(process.pid, cores[:-1])
+        pin(os.getpid(), cores[:-1])
         started = time.time()
         results = asyncio.run(measure(targets, args))
         time.sleep(args.usage_flush_s + 1.5)  # the last usage rows written (usage_flush_s + the poll)

@@ -94,6 +94,9 @@ class SqliteStore:
                                    check_same_thread=False)
         try:
             self._db.execute("PRAGMA journal_mode=WAL")
+            # A commit is safe from a killed process without an fsync in WAL mode; only the host's crash can
+            # lose the last ones (SQLite's "synchronous" documentation).
+            self._db.execute("PRAGMA synchronous=NORMAL")
             with self._write() as db:  # two processes that make the file at once: one makes the tables
                 for statement in SCHEMA.split(";"):
                     if statement.strip():

@@ -127,7 +127,7 @@ class FairShare:
 
     def served(self, project: str, user: str) -> None:
         self.projects.served(project)
-        self.users.setdefault(project, FairQueue()).served(user)
+        self._users_of(project).served(user)
         who = (project, user)
         if who not in self.running and who not in self.seen:
             self._became_active(project)
@@ -178,11 +178,17 @@ class FairShare:
         weight = self.shares.get(project, 1.0) / (self.weight_sum or 1.0)
         return self.running.get(who, 0) < capacity * weight / self.active_users.get(project, 1)
 
+    def _users_of(self, project: str) -> FairQueue:
+        users = self.users.get(project)
+        if users is None:
+            users = self.users[project] = FairQueue()
+        return users
+
     def choose(self, waiting: Iterable[Ticket]) -> tuple[str, str]:
         """(project, user) whose request goes next among those waiting (oldest first)."""
         tickets = list(waiting)
         project = self.projects.pick(dict.fromkeys(t.project for t in tickets))
-        users = self.users.setdefault(project, FairQueue())
+        users = self._users_of(project)
         return project, users.pick(dict.fromkeys(t.user for t in tickets if t.project == project))
 
 
@@ -222,27 +228,34 @@ class Admission:
         self.admitted = 0  # requests admitted and not ended
         self.waiting: deque[Ticket] = deque()
         self.waits = 0  # requests that waited (a counter)
+        # budget, slots and capacity of the pool's replicas as they were last summed: the pool replaces its
+        # list of active replicas (and their sizes) whenever it changes, so they are summed once per change
+        self._sized: tuple[list | None, int | None, int | None, int] = (None, None, None, 1)
+
+    def sizes(self) -> tuple[int | None, int | None, int]:
+        """(budget, slots, capacity) of the pool as it is now.
+        budget: prefill tokens this process may have in flight; None while admission is off (a replica's KV
+        cache size unknown, or no replica).
+        slots: requests this process may have in flight before the rest wait (fair share only): the
+        replicas' capacities, one more each, its share of them; None while fair share is off or no replica.
+        capacity: the requests the replicas run at once, this process's share of them."""
+        active = self.pool.active
+        sized = self._sized
+        if sized[0] is not active:
+            kv = [self.pool.kv_tokens.get(b.url) for b in active]
+            budget = None if self.share <= 0 or not kv or None in kv else int(self.share * sum(kv) / self.workers)
+            slots = (None if self.fair is None or not active
+                     else max(1, sum(b.capacity + 1 for b in active) // self.workers))
+            sized = self._sized = (active, budget, slots, max(1, sum(b.capacity for b in active) // self.workers))
+        return sized[1], sized[2], sized[3]
 
     def budget(self) -> int | None:
-        """Prefill tokens this process may have in flight; None while admission is off (a replica's KV cache
-        size unknown, or no replica)."""
-        sizes = [self.pool.kv_tokens.get(b.url) for b in self.pool.active]
-        if self.share <= 0 or not sizes or None in sizes:
-            return None
-        return int(self.share * sum(sizes) / self.workers)
+        return self.sizes()[0]
 
-    def slots(self) -> int | None:
-        """Requests this process may have in flight before the rest wait (fair share only): the replicas'
-        capacities, one more each, its share of them; None while fair share is off or no replica is there."""
-        if self.fair is None or not self.pool.active:
-            return None
-        return max(1, sum(b.capacity + 1 for b in self.pool.active) // self.workers)
-
-    def may_go(self, ticket: Ticket, slots: int | None, now: float) -> bool:
+    def may_go(self, ticket: Ticket, slots: int | None, capacity: int, now: float) -> bool:
         """Whether the ticket's user may take a place now (always, without fair share)."""
-        if slots is None:
+        if slots is None or self.fair is None:
             return True
-        capacity = max(1, sum(b.capacity for b in self.pool.active) // self.workers)
         return self.fair.may_go(ticket.project, ticket.user, self.admitted, capacity, slots, now)
 
     @asynccontextmanager
@@ -258,14 +271,14 @@ class Admission:
         """Returns once the request may go on (it then holds its ticket until leave)."""
         now = time.monotonic()
         ticket = Ticket(affinity, now, project=project, user=user)
-        budget, slots = self.budget(), self.slots()
+        budget, slots, capacity = self.sizes()
         priced = budget is not None and affinity is not None and bool(affinity.tokens)
         if not priced and slots is None:
             self.grant(ticket, 0)
             return ticket
         if self.fair is not None:
             self.fair.arrived(project, user, now)
-        if not self.waiting and self.may_go(ticket, slots, now):
+        if not self.waiting and self.may_go(ticket, slots, capacity, now):
             cost = prefill_cost(self.pool, affinity, now)[0] if priced else 0
             if not priced or self.admitted == 0 or self.in_flight + cost <= budget:
                 self.grant(ticket, cost)
@@ -308,7 +321,7 @@ class Admission:
     def admit(self) -> None:
         """Let waiting requests in while there is room (also after the pool changed: the budget with it)."""
         while self.waiting:
-            budget, slots = self.budget(), self.slots()
+            budget, slots, capacity = self.sizes()
             now = time.monotonic()
             if budget is None and slots is None:  # admission is off now: all go
                 while self.waiting:
@@ -320,7 +333,7 @@ class Admission:
             # now; else all, oldest first
             turn = None
             if self.fair is not None:
-                allowed = [t for t in self.waiting if self.may_go(t, slots, now)]
+                allowed = [t for t in self.waiting if self.may_go(t, slots, capacity, now)]
                 if not allowed:
                     return
                 turn = self.fair.choose(allowed)

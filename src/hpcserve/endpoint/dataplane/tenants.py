@@ -28,7 +28,7 @@ def tenant_view(settings: TenancySettings, owner_key: str | None) -> TenantView:
                       shares=settings.shares)
 
 
-@dataclass
+@dataclass(slots=True)
 class Visit:
     """One request of a tenant, from its arrival to the end of its answer."""
 
