@@ -275,20 +275,21 @@ def make_session(shape: LoadShape, timeout_s: float) -> aiohttp.ClientSession:
 async def run_load(endpoints: Sequence[Endpoint], inputs: Sequence[RequestInput], shape: LoadShape,
                    offsets: Sequence[float], *, timeout_s: float, ignore_eos: bool = True,
                    on_done: Callable[[RequestOutput], None] | None = None,
-                   send_window_s: float | None = None) -> LoadResult:
+                   send_window_s: float | None = None, request_timeout_s: float | None = None) -> LoadResult:
     """Send inputs[i] at offsets[i] seconds (non-decreasing) to endpoints[i % n], at most shape.concurrency
     in flight, in the order of the inputs; stop at the deadline (timeout_s after the start).
 
     Endpoints must carry the model name. Without a send window, requests still waiting or in flight at
     the deadline are recorded as failed, so len(outputs) == len(inputs). With send_window_s, nothing is
     sent after that many seconds, requests not sent by then are left out (LoadResult.sent says which
-    were sent), and the ones in flight may finish until the deadline.
+    were sent), and the ones in flight may finish until the deadline. request_timeout_s (default
+    timeout_s) bounds waiting for a connection and a stalled response (make_session).
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s  # loop.time() is the monotonic clock
     slots = asyncio.Semaphore(shape.concurrency) if shape.concurrency else None
     outputs: dict[int, RequestOutput] = {}
-    async with make_session(shape, timeout_s) as session:
+    async with make_session(shape, request_timeout_s or timeout_s) as session:
         run_start, started_at = time.perf_counter(), time.time()
         window_end = run_start + send_window_s if send_window_s is not None else math.inf
         in_flight: set[asyncio.Task] = set()
