@@ -36,7 +36,7 @@ import psutil
 from vllm_router_launch import VllmRouter
 
 from hpcserve.benchmark.loadgen import LoadShape, RequestInput, run_load
-from hpcserve.benchmark.summary import percentile
+from hpcserve.benchmark.stats import percentile
 from hpcserve.core.net import free_loopback_port as free_port
 from hpcserve.core.statuses import Routing
 from hpcserve.endpoint.control.plane_client import Router

@@ -37,6 +37,7 @@ import httpx
 import psutil
 import yaml
 
+from hpcserve.benchmark.stats import percentile
 from hpcserve.core.config import parse_config
 from hpcserve.core.files import read_json
 from hpcserve.core.keys import choose_key
@@ -56,11 +57,6 @@ KEY_ENV = "HPCSERVE_SCALE_KEY"
 HERE = Path(__file__).resolve().parent
 PYTHON = sys.executable
 MIN_ROUNDS, IDLE_MAX_S = 3, 150
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))] if ordered else None
 
 
 # ------------------------------------------------------------------ the pieces

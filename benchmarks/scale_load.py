@@ -1,85 +1,70 @@
-"""A light load generator for the scale benchmarks (its own process, so its CPU is its own): non-streamed
-completions at a fixed rate (open loop: requests start on schedule whatever the answers do) or from a
-closed loop of clients, against one URL (the endpoint) or round-robin over many (the stand-ins
-directly). Bounded: it stops after --duration-s (at most 600 s) and sends at most --max-requests.
+"""The scale benchmarks' load, as a process of its own (its CPU is its own): hpcserve's load generator
+(hpcserve.benchmark.loadgen) sending non-streamed completions at a fixed rate (open loop: requests start
+on schedule whatever the answers do) or from a closed loop of clients, against one URL (the endpoint) or
+round-robin over many (the stand-ins directly). Bounded: nothing is sent after --duration-s (at most
+600 s), at most --max-requests are sent, and the ones in flight get --timeout-s more.
 
     python benchmarks/scale_load.py --url http://127.0.0.1:P --rate 500 --duration-s 20 --out F.json
     python benchmarks/scale_load.py --urls U1,U2,... --concurrency 64 --duration-s 10 --out F.json
 
 Writes {"sent", "ok", "failed", "errors": {text: count}, "duration_s", "achieved_rps", "lateness_p99_ms",
-"latency_ms": [...], "failures": [[start_s, error], ...]}.
+"latency_ms": [...], "failures": [[start_s, error], ...]}. Lateness: how long after its scheduled time
+a request went out (open loop; a late client would hide a slow server).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
-import time
 from pathlib import Path
 
-import aiohttp
+from hpcserve.benchmark.loadgen import (
+    LoadResult,
+    LoadShape,
+    Repeated,
+    RequestInput,
+    run_load,
+)
+from hpcserve.benchmark.stats import percentile
+from hpcserve.engine.client import Endpoint
 
 MAX_DURATION_S = 600
+ERROR_CHARS = 120
 
 
-async def one(session: aiohttp.ClientSession, url: str, body: dict, headers: dict, out: dict, t0: float) -> None:
-    started = time.perf_counter()
-    try:
-        async with session.post(f"{url}/v1/completions", json=body, headers=headers) as response:
-            await response.read()
-            if response.status != 200:
-                raise RuntimeError(f"HTTP {response.status}")
-        out["latency_ms"].append((time.perf_counter() - started) * 1000)
-        out["ok"] += 1
-    except Exception as exc:  # noqa: BLE001 - a failed request is recorded, not raised
-        text = f"{type(exc).__name__}: {exc}"[:120]
-        out["failed"] += 1
-        out["errors"][text] = out["errors"].get(text, 0) + 1
-        out["failures"].append([round(started - t0, 3), text])
+def figures(result: LoadResult, offsets: Repeated | list[float], open_loop: bool) -> dict:
+    """The JSON scale.py reads, from the load generator's outputs. Pure."""
+    ok = [o for o in result.outputs if o.ok]
+    failed = [o for o in result.outputs if not o.ok]
+    errors: dict[str, int] = {}
+    for output in failed:
+        errors[output.error[:ERROR_CHARS]] = errors.get(output.error[:ERROR_CHARS], 0) + 1
+    lateness = [max(0.0, o.start_s - offsets[i]) * 1000 for i, o in zip(result.sent, result.outputs, strict=True)]
+    # Open loop: the rate achieved while sending; closed loop: over the whole run.
+    sending_s = max((o.start_s for o in result.outputs), default=0.0) if open_loop else result.duration_s
+    return {"sent": len(result.outputs), "ok": len(ok), "failed": len(failed), "errors": errors,
+            "duration_s": result.duration_s, "achieved_rps": len(ok) / sending_s if sending_s else 0.0,
+            "lateness_p99_ms": (percentile(lateness, 99) or 0.0) if open_loop else 0.0,
+            "latency_ms": [o.e2e_s * 1000 for o in ok],
+            "failures": [[round(o.start_s, 3), o.error[:ERROR_CHARS]] for o in failed]}
 
 
 async def run(args: argparse.Namespace) -> dict:
     urls = args.urls.split(",") if args.urls else [args.url]
-    body = {"model": args.model, "prompt": "hello", "max_tokens": args.max_tokens}
-    headers = {"Authorization": f"Bearer {args.key}"} if args.key else {}
-    out = {"sent": 0, "ok": 0, "failed": 0, "errors": {}, "latency_ms": [], "failures": [], "lateness_ms": []}
+    endpoints = [Endpoint(url.rstrip("/"), args.model, args.key) for url in urls]
+    request = RequestInput("hello", args.max_tokens, stream=False)
     duration = min(args.duration_s, MAX_DURATION_S)
-    connector = aiohttp.TCPConnector(limit=0, force_close=False)
-    timeout = aiohttp.ClientTimeout(total=args.timeout_s)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        targets = itertools.cycle(urls)
-        t0 = time.perf_counter()
-        tasks: set[asyncio.Task] = set()
-        if args.rate:
-            for i in range(min(int(args.rate * duration), args.max_requests)):
-                due = t0 + i / args.rate
-                delay = due - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                out["lateness_ms"].append(max(0.0, -delay) * 1000)
-                task = asyncio.create_task(one(session, next(targets), body, headers, out, t0))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-                out["sent"] += 1
-        else:
-            deadline = t0 + duration
-
-            async def client() -> None:
-                while time.perf_counter() < deadline and out["sent"] < args.max_requests:
-                    out["sent"] += 1
-                    await one(session, next(targets), body, headers, out, t0)
-
-            await asyncio.gather(*(client() for _ in range(args.concurrency)))
-        sending_s = time.perf_counter() - t0
-        if tasks:
-            await asyncio.wait(tasks, timeout=args.timeout_s + 5)
-        out["duration_s"] = time.perf_counter() - t0
-    out["achieved_rps"] = out["ok"] / sending_s if sending_s else 0.0
-    late = sorted(out.pop("lateness_ms"))
-    out["lateness_p99_ms"] = late[int(0.99 * (len(late) - 1))] if late else 0.0
-    return out
+    if args.rate:
+        count = min(int(args.rate * duration), args.max_requests)
+        offsets: Repeated | list[float] = [i / args.rate for i in range(count)]
+        shape = LoadShape(concurrency=None, request_rate=args.rate)
+    else:
+        count = args.max_requests
+        offsets, shape = Repeated(0.0, count), LoadShape(concurrency=args.concurrency)
+    result = await run_load(endpoints, Repeated(request, count), shape, offsets, ignore_eos=False,
+                            timeout_s=duration + args.timeout_s + 5, send_window_s=duration)
+    return figures(result, offsets, open_loop=bool(args.rate))
 
 
 def main() -> None:
@@ -96,7 +81,9 @@ def main() -> None:
     parser.add_argument("--key")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    try:
+    if not (args.url or args.urls):
+        parser.error("give --url or --urls")
+    try:  # as vLLM's own client runs: the lighter the client, the less it takes from a shared machine
         import uvloop
         result = uvloop.run(run(args))
     except ImportError:

@@ -35,8 +35,9 @@ from pathlib import Path
 import psutil
 import yaml
 
-from hpcserve.core.keys import choose_key
+from hpcserve.benchmark.stats import percentile
 from hpcserve.core.config import parse_config
+from hpcserve.core.keys import choose_key
 from hpcserve.core.net import free_loopback_port
 from hpcserve.core.registry import Record
 from hpcserve.core.statuses import RunKind, RunStatus
@@ -47,7 +48,7 @@ from hpcserve.testing.harness import wait_until
 from hpcserve.testing.member import SLOTS_ENV, TOKEN_DELAY_ENV
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from scale import KEY, KEY_ENV, Rounds, cpu_seconds, load, percentile, state  # noqa: E402
+from scale import KEY, KEY_ENV, Rounds, cpu_seconds, load, state  # noqa: E402
 
 SANDBOX_ROOT, SANDBOX_PREFIX = Path("/tmp/hpcserve-sandbox-scale"), "hx"
 

@@ -1,7 +1,10 @@
 """A Llama-3.1-8B-shaped model folder, optionally with real bf16 safetensors of random values.
 
 usage: model_folder.py DIR [--weights] [--shards 4] [--layers 32 --hidden 4096 --inter 14336 --heads 32
-                         --kv-heads 8 --vocab 128256 --max-pos 8192] [--device cuda]
+                         --kv-heads 8 --vocab 128256 --max-pos 8192] [--tokenizer words|tiny] [--device cuda]
+
+The project's one builder of model folders for benchmarks (the tests' tiny model is the package's own:
+hpcserve.models.tiny, `builtin:tiny-llama`).
 
 - config.json: LlamaForCausalLM, the 8B shape, vocab 128256 (the real vocabulary size, so the checkpoint is
   the real 16.06 GB: embed_tokens and lm_head are 2 x 1.05 GB of it).
@@ -9,6 +12,8 @@ usage: model_folder.py DIR [--weights] [--shards 4] [--layers 32 --hidden 4096 -
   'wN' (WordLevel, split on whitespace, no BOS added). Any id sequence decodes to 'wA wB ...' and encodes
   back to exactly the same ids, so prompts of an exact token length (and exact shared prefixes) are plain
   strings: what vllm-router's cache_aware policy (it matches request text) and vLLM's prefix cache both see.
+- --tokenizer tiny: the tiny model's BPE tokenizer and chat template instead, vocab its size (about 1,000):
+  the folder `vllm bench serve`'s random prompts were measured on in ttft_h200.sh and run_h200.sh.
 - --weights: model-0000K-of-0000N.safetensors (HF names, bf16, N(0, 0.02), norms 1) plus
   model.safetensors.index.json. Each tensor is drawn on the GPU, copied to the host and written straight
   into the file (own safetensors writer: header + raw bytes, no second copy), then fsync'd. Prints timings.
@@ -36,6 +41,21 @@ def build_tokenizer(target: Path, vocab_size: int) -> None:
     hf.save_pretrained(target)
     ids = [5, 100, vocab_size - 1, 3]
     assert hf.encode(hf.decode(ids), add_special_tokens=True) == ids, "tokenizer does not round-trip"
+
+
+def copy_tiny_tokenizer(target: Path) -> int:
+    """The tiny model's tokenizer files (built on first use); returns its vocabulary size."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from hpcserve.models.tiny import tiny_model_path
+
+    tiny = tiny_model_path()
+    for item in tiny.iterdir():
+        if item.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(item, target / item.name)
+    return len(AutoTokenizer.from_pretrained(tiny))
 
 
 def tensor_specs(a) -> list[tuple[str, list[int], str]]:
@@ -124,12 +144,16 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--max-pos", type=int, default=8192)
+    ap.add_argument("--tokenizer", choices=["words", "tiny"], default="words")
     ap.add_argument("--device", default=None)
     a = ap.parse_args()
     target = Path(a.dir)
     target.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    build_tokenizer(target, a.vocab)
+    if a.tokenizer == "tiny":
+        a.vocab = copy_tiny_tokenizer(target)
+    else:
+        build_tokenizer(target, a.vocab)
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": a.hidden,
               "intermediate_size": a.inter, "num_hidden_layers": a.layers, "num_attention_heads": a.heads,
               "num_key_value_heads": a.kv_heads, "head_dim": a.hidden // a.heads, "vocab_size": a.vocab,

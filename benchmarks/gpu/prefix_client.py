@@ -44,6 +44,9 @@ get on what was sent (block size --block, --replicas caches of K tokens each; vL
             most where the engines choose what to evict (on evict both routers came within 2 % of it).
   multiturn every turn after the first hitting the whole blocks of the previous turn's prompt and answer
             (as the server counted them: usage); an upper bound, reached when nothing is evicted.
+Requests go out through hpcserve's load generator (hpcserve.benchmark.loadgen: TTFT, E2E and usage as
+`hpcserve bench` reads them); percentiles are hpcserve.benchmark.stats's (linear interpolation).
+--timeout bounds a stalled response, --run-timeout the whole run.
 Writes OUT.json (config + summary) and OUT.requests.jsonl (one line per request).
 """
 
@@ -52,132 +55,109 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
 import statistics
 import time
 from collections import OrderedDict
 from pathlib import Path
 
-import aiohttp
+from hpcserve.benchmark.loadgen import (
+    LoadShape,
+    RequestInput,
+    RequestOutput,
+    make_session,
+    run_load,
+    send_request,
+)
+from hpcserve.benchmark.stats import percentile
+from hpcserve.engine.client import Endpoint
+
+WARMUP_REQUESTS, WARMUP_WORDS, WARMUP_TOKENS = 8, 64, 4
 
 
 def words(rng: random.Random, n: int, vocab: int) -> str:
     return " ".join(f"w{rng.randrange(3, vocab)}" for _ in range(n))
 
 
-def pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    v = sorted(values)
-    return v[min(len(v) - 1, round(q / 100 * (len(v) - 1)))]
-
-
-async def complete(session: aiohttp.ClientSession, a, prompt: str | list[dict], key: str | None,
-                   t0: float | None = None, request_id: str | None = None) -> dict:
-    chat = isinstance(prompt, list)  # a conversation's messages: /v1/chat/completions
-    body = {"model": a.model, ("messages" if chat else "prompt"): prompt, "max_tokens": a.output_len,
-            "ignore_eos": True, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+def request(a, prompt: str | list[dict], key: str | None, request_id: str | None = None,
+            output_len: int | None = None) -> RequestInput:
     headers = {"x-session-id": key} if (key is not None and a.session_header) else {}
     if request_id is not None:
         headers["x-request-id"] = request_id
-    t0 = time.perf_counter() if t0 is None else t0
-    ttft, text, usage, chunks, err = None, [], None, 0, None
-    url = a.urls[a.sent % len(a.urls)]  # one URL (a router), or the client's own round robin (direct)
-    a.sent += 1
-    try:
-        async with session.post(url + ("/v1/chat/completions" if chat else "/v1/completions"), json=body,
-                                headers=headers) as r:
-            if r.status != 200:
-                err = f"HTTP {r.status}: {(await r.text())[:200]}"
-            else:
-                async for raw in r.content:
-                    line = raw.strip()
-                    if not line.startswith(b"data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
-                        break
-                    msg = json.loads(data)
-                    if msg.get("usage"):
-                        usage = msg["usage"]
-                    for ch in msg.get("choices") or []:
-                        if ttft is None:
-                            ttft = time.perf_counter() - t0
-                        chunks += 1
-                        text.append((ch.get("delta") or {}).get("content") or "" if chat else ch.get("text") or "")
-    except Exception as e:  # noqa: BLE001 -- a failed request is counted, not fatal
-        err = f"{type(e).__name__}: {e}"[:200]
-    e2e = time.perf_counter() - t0
-    out = {"ok": err is None and ttft is not None, "ttft": ttft, "e2e": e2e, "error": err, "chunks": chunks,
-           "url": url[-4:],
-           "prompt_tokens": (usage or {}).get("prompt_tokens"),
-           "completion_tokens": (usage or {}).get("completion_tokens", chunks), "text": "".join(text),
-           # vLLM fills this only with --enable-prompt-tokens-details on the server
-           "cached_tokens": ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")}
-    return out
+    return RequestInput(prompt, a.output_len if output_len is None else output_len, headers=headers,
+                        temperature=0.0)
 
 
-async def warmup(session, a) -> None:
+def record(a, index: int, output: RequestOutput, late_s: float = 0.0) -> dict:
+    """One line of OUT.requests.jsonl. late_s: how long after its scheduled arrival the request went out,
+    charged to its TTFT and E2E (open loop)."""
+    return {"ok": output.ok, "ttft": None if output.ttft_s is None else output.ttft_s + late_s,
+            "e2e": None if output.e2e_s is None else output.e2e_s + late_s, "error": output.error,
+            "url": a.endpoints[index % len(a.endpoints)].base_url[-4:], "prompt_tokens": output.prompt_tokens,
+            "completion_tokens": output.output_tokens,
+            # vLLM fills this only with --enable-prompt-tokens-details on the server
+            "cached_tokens": output.cached_tokens}
+
+
+def most_in_flight(outputs: list[RequestOutput]) -> int:
+    """The most requests in flight at once (a failed one counts for an instant). Pure."""
+    events = sorted([(o.start_s, 1) for o in outputs] + [(o.start_s + (o.e2e_s or 0.0), -1) for o in outputs],
+                    key=lambda e: (e[0], e[1]))
+    most = now = 0
+    for _, step in events:
+        now += step
+        most = max(most, now)
+    return most
+
+
+async def warmup(a) -> None:
     rng = random.Random(a.seed + 999_999)
-    saved = a.output_len
-    a.output_len = 4
-    await asyncio.gather(*(complete(session, a, words(rng, 64, a.vocab), None) for _ in range(8)))
-    a.output_len = saved
+    inputs = [request(a, words(rng, WARMUP_WORDS, a.vocab), None, output_len=WARMUP_TOKENS)
+              for _ in range(WARMUP_REQUESTS)]
+    await run_load(a.endpoints, inputs, LoadShape(concurrency=WARMUP_REQUESTS), [0.0] * WARMUP_REQUESTS,
+                   timeout_s=a.timeout)
 
 
-async def run_prefix(session, a, records: list[dict]) -> None:
+async def run_prefix(a, records: list[dict]) -> None:
     rng = random.Random(a.seed)
     prefixes = [words(rng, a.prefix_len, a.vocab) for _ in range(a.num_prefixes)]
     per = a.num_requests // a.num_prefixes
     jobs = [(p, prefixes[p] + " " + words(rng, a.suffix_len, a.vocab)) for p in range(a.num_prefixes)
             for _ in range(per)]
     rng.shuffle(jobs)
-    sem = asyncio.Semaphore(a.concurrency)
-    arrivals: list[float] = []
+    arrivals = [0.0] * len(jobs)
     if a.request_rate > 0:  # Poisson: exponential gaps, the first request at 0
         arng, t = random.Random(a.seed + 7_777_777), 0.0
-        for _ in jobs:
-            arrivals.append(t)
+        for i in range(len(jobs)):
+            arrivals[i] = t
             t += arng.expovariate(a.request_rate)
-    start = time.perf_counter()
-    in_flight = [0, 0]  # now, most
-
-    a.sent_order = []  # (position sent, prefix): the order the oracle of best_hits replays
-
-    async def one(i: int, p: int, prompt: str) -> None:
-        sched = None
-        if arrivals:
-            await asyncio.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
-            sched = start + arrivals[i]
-        async with sem:
-            lag = (time.perf_counter() - sched) if sched is not None else None
-            a.sent_order.append((len(a.sent_order), p))
-            in_flight[0] += 1
-            in_flight[1] = max(in_flight[1], in_flight[0])
-            try:
-                rid = f"{Path(a.out).stem}.g{p}.i{i}" if a.request_ids else None
-                r = await complete(session, a, prompt, f"p{p}", t0=sched, request_id=rid)
-            finally:
-                in_flight[0] -= 1
-            r.pop("text")
-            rec = {"i": i, "group": p, "turn": 0, **r}
-            if sched is not None:
-                rec.update(arrival=arrivals[i], send_lag=lag)
-            records.append(rec)
-
-    await asyncio.gather(*(one(i, p, prompt) for i, (p, prompt) in enumerate(jobs)))
-    a.max_in_flight = a.concurrency_seen = in_flight[1]
-    a.arrival_span_s = round(arrivals[-1], 2) if arrivals else None
+    stem = Path(a.out).stem
+    inputs = [request(a, prompt, f"p{p}", f"{stem}.g{p}.i{i}" if a.request_ids else None)
+              for i, (p, prompt) in enumerate(jobs)]
+    shape = LoadShape(concurrency=a.concurrency, request_rate=a.request_rate or math.inf)
+    result = await run_load(a.endpoints, inputs, shape, arrivals, timeout_s=a.run_timeout, request_timeout_s=a.timeout)
+    a.sent_order = [(i, jobs[i][0]) for i in result.sent]  # the order the oracle of best_hits replays
+    for i, output in zip(result.sent, result.outputs, strict=True):
+        lag = output.start_s - arrivals[i] if a.request_rate > 0 else 0.0
+        rec = {"i": i, "group": jobs[i][0], "turn": 0, **record(a, i, output, lag)}
+        if a.request_rate > 0:
+            rec.update(arrival=arrivals[i], send_lag=lag)
+        records.append(rec)
+    a.max_in_flight = a.concurrency_seen = most_in_flight(result.outputs)
+    a.arrival_span_s = round(arrivals[-1], 2) if a.request_rate > 0 and arrivals else None
 
 
-async def run_multiturn(session, a, records: list[dict]) -> None:
+async def run_multiturn(a, records: list[dict]) -> None:
     rng = random.Random(a.seed)
     users = [[words(rng, a.user_len, a.vocab) for _ in range(a.turns)] for _ in range(a.sessions)]
     queue: asyncio.Queue[int] = asyncio.Queue()
     for s in range(a.sessions):
         queue.put_nowait(s)
+    sent = 0  # the client's own round robin over several URLs, in the order sent
 
-    async def worker() -> None:
+    async def worker(session) -> None:
+        nonlocal sent
         while True:
             try:
                 s = queue.get_nowait()
@@ -190,15 +170,19 @@ async def run_multiturn(session, a, records: list[dict]) -> None:
                     prompt = messages
                 else:
                     prompt = (history + " " + users[s][t]).strip()
-                r = await complete(session, a, prompt, f"s{s}")
-                answer = r.pop("text").strip()
-                records.append({"i": len(records), "group": s, "turn": t, "answer_words": len(answer.split()), **r})
-                if not r["ok"]:
+                index, sent = sent, sent + 1
+                output = await send_request(session, a.endpoints[index % len(a.endpoints)],
+                                            request(a, prompt, f"s{s}"), True, run_start=0.0)
+                answer = output.text.strip()
+                records.append({"i": len(records), "group": s, "turn": t, "answer_words": len(answer.split()),
+                                **record(a, index, output)})
+                if not output.ok:
                     break
                 history = prompt + " " + answer if a.api != "chat" else ""
                 messages = messages + [{"role": "assistant", "content": answer}]
 
-    await asyncio.gather(*(worker() for _ in range(a.concurrency)))
+    async with make_session(LoadShape(concurrency=a.concurrency), a.timeout) as session:
+        await asyncio.gather(*(worker(session) for _ in range(a.concurrency)))
 
 
 def belady_hits(sequence: list[int], blocks: int, capacity: int) -> int:
@@ -291,8 +275,8 @@ def summarize(records: list[dict], duration: float, a) -> dict:
          "req_s": round(len(ok) / duration, 3), "output_tok_s": round(out_tok / duration, 1),
          "input_tok_s": round(in_tok / duration, 1), "prompt_tokens": in_tok, "completion_tokens": out_tok,
          "ttft_mean_ms": round(statistics.mean(ttft), 1) if ttft else None,
-         **{f"ttft_p{q}_ms": (round(pct(ttft, q), 1) if ttft else None) for q in (50, 90, 99)},
-         "e2e_p50_ms": round(pct(e2e, 50), 1) if e2e else None, "e2e_p99_ms": round(pct(e2e, 99), 1) if e2e else None,
+         **{f"ttft_p{q}_ms": (round(percentile(ttft, q), 1) if ttft else None) for q in (50, 90, 99)},
+         "e2e_p50_ms": round(percentile(e2e, 50), 1) if e2e else None, "e2e_p99_ms": round(percentile(e2e, 99), 1) if e2e else None,
          "tpot_mean_ms": round(statistics.mean(tpot), 2) if tpot else None,
          "first_errors": [r["error"] for r in records if not r["ok"]][:3]}
     cached = [r for r in ok if r.get("cached_tokens") is not None]
@@ -300,8 +284,8 @@ def summarize(records: list[dict], duration: float, a) -> dict:
         hit = [r["ttft"] * 1e3 for r in cached if r["cached_tokens"] >= 0.5 * (r["prompt_tokens"] or 1)]
         miss = [r["ttft"] * 1e3 for r in cached if r["cached_tokens"] < 0.5 * (r["prompt_tokens"] or 1)]
         s["hit_request_fraction"] = round(len(hit) / len(cached), 4)
-        s["ttft_p50_ms_hits"] = round(pct(hit, 50), 1) if hit else None
-        s["ttft_p50_ms_misses"] = round(pct(miss, 50), 1) if miss else None
+        s["ttft_p50_ms_hits"] = round(percentile(hit, 50), 1) if hit else None
+        s["ttft_p50_ms_misses"] = round(percentile(miss, 50), 1) if miss else None
     if a.mode == "prefix":
         s["request_rate"] = a.request_rate or None  # offered (None: closed loop at --concurrency)
         s["max_in_flight"] = getattr(a, "max_in_flight", None)
@@ -309,7 +293,7 @@ def summarize(records: list[dict], duration: float, a) -> dict:
             lag = [r["send_lag"] * 1e3 for r in records if r.get("send_lag") is not None]
             s["arrival_span_s"] = getattr(a, "arrival_span_s", None)
             s["offered_req_s"] = round((len(records) - 1) / s["arrival_span_s"], 3) if s["arrival_span_s"] else None
-            s["send_lag_p99_ms"] = round(pct(lag, 99), 1) if lag else None
+            s["send_lag_p99_ms"] = round(percentile(lag, 99), 1) if lag else None
     if a.kv_tokens:
         s.update(best_hits(records, a))
     if len(a.urls) > 1:
@@ -317,23 +301,20 @@ def summarize(records: list[dict], duration: float, a) -> dict:
     if a.mode == "multiturn":
         for t in sorted({r["turn"] for r in ok}):
             v = [r["ttft"] * 1e3 for r in ok if r["turn"] == t]
-            s[f"ttft_p50_ms_turn{t + 1}"] = round(pct(v, 50), 1)
+            s[f"ttft_p50_ms_turn{t + 1}"] = round(percentile(v, 50), 1)
     return s
 
 
 async def main_async(a) -> None:
-    conn = aiohttp.TCPConnector(limit=0, force_close=False)
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=a.timeout)
     records: list[dict] = []
-    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
-        await warmup(session, a)
-        t0 = time.perf_counter()
-        if a.mode == "prefix":
-            await run_prefix(session, a, records)
-        else:
-            await run_multiturn(session, a, records)
-        duration = time.perf_counter() - t0
-    config = {k: v for k, v in vars(a).items() if k not in ("out", "sent_order")}
+    await warmup(a)
+    t0 = time.perf_counter()
+    if a.mode == "prefix":
+        await run_prefix(a, records)
+    else:
+        await run_multiturn(a, records)
+    duration = time.perf_counter() - t0
+    config = {k: v for k, v in vars(a).items() if k not in ("out", "sent_order", "endpoints")}
     summary = summarize(records, duration, a)
     out = Path(a.out)
     out.write_text(json.dumps({"config": config, "summary": summary}, indent=1))
@@ -353,7 +334,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--session-header", action="store_true")
     ap.add_argument("--vocab", type=int, default=128256)
-    ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--timeout", type=float, default=300, help="a stalled response's limit (s)")
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--num-prefixes", type=int, default=200)
     ap.add_argument("--prefix-len", type=int, default=1900)
@@ -370,8 +351,10 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--block", type=int, default=16, help="the engines' KV block size (tokens)")
     ap.add_argument("--request-ids", action="store_true", help="prefix mode: x-request-id naming prefix and position")
+    ap.add_argument("--run-timeout", type=float, default=3600, help="the whole run's deadline (s)")
     a = ap.parse_args()
-    a.urls, a.sent = [u.rstrip("/") for u in a.url.split(",") if u], 0
+    a.urls = [u.rstrip("/") for u in a.url.split(",") if u]
+    a.endpoints = [Endpoint(u, a.model, None) for u in a.urls]
     if a.request_rate > 0 and a.mode != "prefix":
         ap.error("--request-rate applies to --mode prefix only")
     asyncio.run(main_async(a))

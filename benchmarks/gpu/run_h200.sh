@@ -41,7 +41,7 @@ hpcserve_case() { # LABEL CONFIG
 case $PHASE in
 A)
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
-  python3 benchmarks/gpu/make_llama8b.py $M
+  python3 benchmarks/gpu/model_folder.py $M --tokenizer tiny
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpus.txt"
   python3 -c "import vllm, ray, torch; print('vllm', vllm.__version__, 'ray', ray.__version__, 'torch', torch.__version__)" | tee -a "$OUT/gpus.txt"
   hpcserve check benchmarks/gpu/h200-tp2.yaml > "$OUT/check.log" 2>&1; echo "check rc=$?" | tee -a "$OUT/summary.txt"

@@ -136,7 +136,7 @@ if [ "${1:-}" = setup ]; then
   if [ -d .gpu/snap ]; then python3 -m pip install -q --no-deps --no-build-isolation ./.gpu/snap 2>&1 | tail -2
   else python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2; fi
   python3 -c "import hpcserve.engine.host as h; print('hpcserve from', h.__file__)" | tee -a "$OUT/summary.txt"
-  python3 benchmarks/gpu/make_llama8b.py $M
+  python3 benchmarks/gpu/model_folder.py $M --tokenizer tiny
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$OUT/summary.txt"
   python3 -c "import vllm, ray, torch; print('vllm', vllm.__version__, 'ray', ray.__version__, 'torch', torch.__version__)" | tee -a "$OUT/summary.txt"
   nproc | tee -a "$OUT/summary.txt"

@@ -21,6 +21,7 @@ from hpcserve.benchmark.bench import (
 )
 from hpcserve.benchmark.loadgen import (
     LoadShape,
+    Repeated,
     RequestInput,
     make_session,
     run_load,
@@ -30,7 +31,8 @@ from hpcserve.engine.client import Endpoint
 
 
 class FakeServer:
-    """`/v1/completions` streams one `choices` chunk per token, then usage and [DONE].
+    """`/v1/completions` streams one `choices` chunk per token, then usage and [DONE]; a request with
+    stream false gets the whole answer; `/v1/chat/completions` answers the same, in chat's shape.
 
     A text prompt (else the model name) picks a mode: "404", "error" (an error event mid-stream), "stall"."""
 
@@ -40,6 +42,7 @@ class FakeServer:
         self.peers: set = set()
         self.in_flight = self.max_in_flight = 0
         self.auth: list[str | None] = []
+        self.session_ids: list[str | None] = []
         self.release = asyncio.Event()  # ends stalls when the server shuts down
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -47,9 +50,17 @@ class FakeServer:
         self.bodies.append(body)
         self.auth.append(request.headers.get("Authorization"))
         self.peers.add(request.transport.get_extra_info("peername"))
-        mode = body["prompt"] if isinstance(body["prompt"], str) else body["model"]
+        self.session_ids.append(request.headers.get("x-session-id"))
+        chat = "messages" in body
+        mode = body.get("prompt") if isinstance(body.get("prompt"), str) else body["model"]
         if mode == "404":
             return web.Response(status=404, text="The model `x` does not exist.")
+        usage = {"prompt_tokens": 7, "completion_tokens": body["max_tokens"],
+                 "prompt_tokens_details": {"cached_tokens": 5}}
+        if not body.get("stream"):
+            text = " ".join(f"t{index}" for index in range(body["max_tokens"]))
+            choice = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+            return web.json_response({"choices": [choice], "usage": usage})
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
@@ -63,11 +74,12 @@ class FakeServer:
                     await response.write(b'data: {"error": {"message": "boom"}}\n\n')
                     return response
                 await asyncio.sleep(self.token_delay_s)
-                chunk = json.dumps({"choices": [{"text": "" if index == 0 else f"t{index}"}]}).encode()
+                piece = "" if index == 0 else f"t{index}"
+                choice = {"delta": {"content": piece}} if chat else {"text": piece}
+                chunk = json.dumps({"choices": [choice]}).encode()
                 # split a line across writes: the client must join it
                 await response.write(b"data: " + chunk[:5])
                 await response.write(chunk[5:] + b"\n\n")
-            usage = {"prompt_tokens": 7, "completion_tokens": body["max_tokens"]}
             await response.write(b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n")
             await response.write(b"data: [DONE]\n\n")
             return response
@@ -85,6 +97,7 @@ async def serving(*servers: FakeServer):
         for server in servers:
             app = web.Application()
             app.router.add_post("/v1/completions", server.completions)
+            app.router.add_post("/v1/chat/completions", server.completions)
             app.router.add_get("/v1/models", server.models)
             runner = web.AppRunner(app, handle_signals=False)
             await runner.setup()
@@ -173,6 +186,38 @@ def test_the_run_deadline_fails_what_is_left_and_keeps_one_output_per_input():
     assert len(outputs) == 3 and not any(o.ok for o in outputs)
     assert all("deadline" in o.error or "TimeoutError" in o.error for o in outputs)
     assert "deadline" in outputs[2].error
+
+
+def test_a_whole_answer_a_chat_and_a_request_header():
+    server = FakeServer()
+    chat = [{"role": "user", "content": "hi"}]
+
+    async def go():
+        async with serving(server) as (url,), make_session(LoadShape(1), 10) as session:
+            endpoint = Endpoint(url, "m", None)
+            return [await send_request(session, endpoint, request, True, 0.0) for request in
+                    (RequestInput("x", 3, stream=False), RequestInput(chat, 3, headers={"x-session-id": "s1"}),
+                     RequestInput(chat, 2, stream=False, temperature=0.0))]
+
+    whole, streamed_chat, whole_chat = asyncio.run(go())
+    assert whole.ok and whole.ttft_s == whole.e2e_s and whole.text == "t0 t1 t2" and whole.output_tokens == 3
+    assert streamed_chat.ok and streamed_chat.text == "t1t2" and streamed_chat.cached_tokens == 5
+    assert whole_chat.text == "t0 t1" and server.bodies[2]["temperature"] == 0.0
+    assert server.session_ids == [None, "s1", None]
+    assert "stream_options" not in server.bodies[0] and "messages" in server.bodies[1]
+
+
+def test_a_send_window_stops_sending_and_lets_the_sent_finish():
+    server = FakeServer(token_delay_s=0.01)
+
+    async def go():
+        async with serving(server) as (url,):
+            return await run_load([Endpoint(url, "m", None)], Repeated(RequestInput([1], 3), 10**9),
+                                  LoadShape(concurrency=2), Repeated(0.0, 10**9), timeout_s=30, send_window_s=0.3)
+
+    result = asyncio.run(go())
+    assert 2 <= len(result.outputs) < 1000 and all(o.ok for o in result.outputs)
+    assert result.sent == list(range(len(result.outputs))) and server.max_in_flight <= 2
 
 
 def test_run_benchmark_discovers_the_model_warms_up_and_summarises():

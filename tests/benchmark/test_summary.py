@@ -1,4 +1,4 @@
-"""Pure tests: percentiles, TPOT, goodput, SLO parsing, results round trip. Synthetic RequestOutputs only."""
+"""Pure tests: the percentile (hpcserve.benchmark.stats), TPOT, goodput, SLO parsing, results round trip. Synthetic RequestOutputs only."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import math
 import pytest
 
 from hpcserve.benchmark.loadgen import LoadShape, RequestOutput
+from hpcserve.benchmark.stats import percentile
 from hpcserve.benchmark.summary import (
     BenchResult,
     BenchRun,
@@ -16,7 +17,6 @@ from hpcserve.benchmark.summary import (
     load_result,
     meets_slo,
     parse_slo,
-    percentile,
     summarize,
     tpot_s,
 )

@@ -1,4 +1,10 @@
-"""An async load generator for OpenAI-compatible `/v1/completions` endpoints (streaming SSE).
+"""The project's one load generator, for OpenAI-compatible `/v1/completions` and `/v1/chat/completions`.
+
+`hpcserve bench` runs on it, and so does every benchmark that sends load (benchmarks/scale_load.py,
+benchmarks/gpu/prefix_client.py, benchmarks/router.py). A run is a list of RequestInputs and their
+arrival offsets: zeros with a concurrency make a closed loop, increasing offsets an open loop (a rate),
+both together an open loop capped in flight. A request is streamed (SSE) or not, with a text prompt,
+token ids or chat messages, and headers of its own (a session key for a router, a request id).
 
 Modelled on vLLM's benchmark request functions so numbers are comparable with `vllm bench serve`:
 - TTFT runs from just before the request is sent to the first SSE chunk that carries `choices`
@@ -6,8 +12,10 @@ Modelled on vLLM's benchmark request functions so numbers are comparable with `v
 - E2E latency ends at the last chunk that carries `choices`, not at `[DONE]` -- also vLLM's.
 - ITL is the gap between consecutive `choices` chunks; output tokens come from the usage in the final
   chunk (`stream_options.include_usage`), or, when a server sends none, from counting chunks.
+- A non-streamed request has TTFT = E2E = the whole answer's time; its tokens come from the usage.
 A failed request becomes a RequestOutput with ok=False and the error text; nothing here raises
-for a bad response. The whole run has one deadline on the monotonic clock.
+for a bad response. The whole run has one deadline on the monotonic clock, and optionally a send
+window after which nothing new is sent (a load "for D seconds").
 
 HTTP is aiohttp, the stack `vllm bench serve` itself uses: one pooled session per run, its connector
 limited to the run's concurrency and keeping connections alive between requests. On a machine shared
@@ -17,10 +25,11 @@ with the server, client CPU is server CPU lost, so a client as light as vLLM's k
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -32,13 +41,28 @@ CONNECT_TIMEOUT_S = 10.0
 ERROR_BODY_CHARS = 300
 
 
+Messages = list[dict]  # a chat conversation: [{"role": ..., "content": ...}, ...]
+
+
 @dataclass(frozen=True)
 class RequestInput:
-    """One request: a prompt (text, or token ids sent as-is) and the exact number of tokens to generate."""
+    """One request: a prompt (text, token ids sent as-is, or chat messages) and the exact number of
+    tokens to generate. Chat messages go to /v1/chat/completions, every other prompt to /v1/completions."""
 
-    prompt: list[int] | str
+    prompt: list[int] | str | Messages
     output_len: int
     prompt_len: int | None = None  # known up front for token-id prompts; else read from the usage
+    stream: bool = True
+    headers: Mapping[str, str] | None = None  # e.g. x-session-id for a router's session affinity
+    temperature: float | None = None  # None: the server's default
+
+    @property
+    def is_chat(self) -> bool:
+        return bool(self.prompt) and isinstance(self.prompt, list) and isinstance(self.prompt[0], dict)
+
+    @property
+    def path(self) -> str:
+        return "/v1/chat/completions" if self.is_chat else "/v1/completions"
 
 
 @dataclass(frozen=True)
@@ -53,6 +77,9 @@ class RequestOutput:
     prompt_tokens: int | None = None
     output_tokens: int = 0
     start_s: float = 0.0
+    text: str = ""  # the generated text (a multi-turn client sends it back as history)
+    cached_tokens: int | None = None  # prompt tokens from the prefix cache, where the server says (vLLM:
+    #                                   --enable-prompt-tokens-details)
 
 
 @dataclass(frozen=True)
@@ -91,22 +118,58 @@ class LoadShape:
 
 @dataclass(frozen=True)
 class LoadResult:
+    """outputs[i] is inputs[i]'s; with a send window, only the requests sent are there (sent[i] is the
+    index of outputs[i] in the inputs), otherwise every input has its output and sent is range(n)."""
+
     outputs: list[RequestOutput]
     duration_s: float
     started_at: float  # epoch seconds: lines the run up with server logs and other clients' records
+    sent: list[int] = field(default_factory=list)
+
+
+class Repeated(Sequence):
+    """One value `count` times, without a list of them: the inputs and offsets of a closed loop that runs
+    until its send window ends."""
+
+    def __init__(self, value, count: int):
+        self.value, self.count = value, count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self.value] * len(range(*index.indices(self.count)))
+        if not -self.count <= index < self.count:
+            raise IndexError(index)
+        return self.value
 
 
 def completion_body(model: str, request: RequestInput, ignore_eos: bool) -> dict:
-    """max_tokens with ignore_eos makes the output length exact; usage in the last chunk counts it."""
-    return {
+    """max_tokens with ignore_eos makes the output length exact; usage (in a stream's last chunk) counts it."""
+    body = {
         "model": model,
-        "prompt": request.prompt,
+        "messages" if request.is_chat else "prompt": request.prompt,
         "max_tokens": request.output_len,
         "ignore_eos": ignore_eos,
-        "stream": True,
-        "stream_options": {"include_usage": True},
+        "stream": request.stream,
     }
+    if request.stream:
+        body["stream_options"] = {"include_usage": True}
+    if request.temperature is not None:
+        body["temperature"] = request.temperature
+    return body
 
+
+def choice_text(choice: dict) -> str:
+    """A completion choice's text, or a chat choice's (streamed delta or whole message) content. Pure."""
+    if "text" in choice:
+        return choice.get("text") or ""
+    return ((choice.get("delta") or choice.get("message") or {}).get("content")) or ""
+
+
+def cached_tokens(usage: dict) -> int | None:
+    return (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
 
 
 
@@ -130,6 +193,7 @@ class _StreamTimer:
     gaps: list[float] = field(default_factory=list)
     chunks: int = 0
     usage: dict | None = None
+    pieces: list[str] = field(default_factory=list)
 
     def on_chunk(self, data: dict, now: float) -> None:
         if data.get("error"):
@@ -141,6 +205,7 @@ class _StreamTimer:
                 self.gaps.append(now - self.last_at)
             self.last_at = now
             self.chunks += 1
+            self.pieces.extend(choice_text(choice) for choice in data["choices"])
         if data.get("usage"):
             self.usage = data["usage"]
 
@@ -152,6 +217,7 @@ class _StreamTimer:
             ok=True, ttft_s=self.first_at - self.sent_at, itl_s=self.gaps, e2e_s=self.last_at - self.sent_at,
             prompt_tokens=usage.get("prompt_tokens", request.prompt_len),
             output_tokens=usage.get("completion_tokens") or self.chunks, start_s=self.sent_at - run_start,
+            text="".join(self.pieces), cached_tokens=cached_tokens(usage),
         )
 
     def failure(self, error: str, run_start: float) -> RequestOutput:
@@ -160,15 +226,17 @@ class _StreamTimer:
 
 async def send_request(session: aiohttp.ClientSession, endpoint: Endpoint, request: RequestInput,
                        ignore_eos: bool, run_start: float) -> RequestOutput:
-    """Send one streaming completion and time it. Never raises for a failed request."""
+    """Send one completion (streamed or not) and time it. Never raises for a failed request."""
     timer = _StreamTimer(sent_at=time.perf_counter())
     body = completion_body(endpoint.model or "", request, ignore_eos)
+    headers = {**bearer(endpoint.api_key), **(request.headers or {})}
     try:
-        async with session.post(f"{endpoint.base_url}/v1/completions", json=body,
-                                headers=bearer(endpoint.api_key)) as response:
+        async with session.post(f"{endpoint.base_url}{request.path}", json=body, headers=headers) as response:
             if response.status != 200:
                 text = (await response.read()).decode(errors="replace")[:ERROR_BODY_CHARS]
                 return timer.failure(f"HTTP {response.status}: {text}", run_start)
+            if not request.stream:
+                return whole_answer(await response.json(content_type=None), request, timer, run_start)
             async for line in response.content:  # one SSE line at a time, as bytes arrive
                 data = parse_sse_line(line)
                 if data is not None:
@@ -176,6 +244,18 @@ async def send_request(session: aiohttp.ClientSession, endpoint: Endpoint, reque
     except Exception as exc:  # noqa: BLE001 -- any failure is data about the server, recorded not raised
         return timer.failure(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__, run_start)
     return timer.output(request, run_start)
+
+
+def whole_answer(data: dict, request: RequestInput, timer: _StreamTimer, run_start: float) -> RequestOutput:
+    """A non-streamed answer: its first token and its last came together, when the body had arrived."""
+    done = time.perf_counter()
+    if data.get("error") or not data.get("choices"):
+        return timer.failure(f"no choices in the answer: {str(data)[:ERROR_BODY_CHARS]}", run_start)
+    usage = data.get("usage") or {}
+    return RequestOutput(ok=True, ttft_s=done - timer.sent_at, e2e_s=done - timer.sent_at,
+                         prompt_tokens=usage.get("prompt_tokens", request.prompt_len),
+                         output_tokens=usage.get("completion_tokens") or 1, start_s=timer.sent_at - run_start,
+                         text="".join(choice_text(c) for c in data["choices"]), cached_tokens=cached_tokens(usage))
 
 
 def make_session(shape: LoadShape, timeout_s: float) -> aiohttp.ClientSession:
@@ -194,40 +274,70 @@ def make_session(shape: LoadShape, timeout_s: float) -> aiohttp.ClientSession:
 
 async def run_load(endpoints: Sequence[Endpoint], inputs: Sequence[RequestInput], shape: LoadShape,
                    offsets: Sequence[float], *, timeout_s: float, ignore_eos: bool = True,
-                   on_done: Callable[[RequestOutput], None] | None = None) -> LoadResult:
-    """Send inputs[i] at offsets[i] seconds to endpoints[i % n] (round-robin); stop at the deadline.
+                   on_done: Callable[[RequestOutput], None] | None = None,
+                   send_window_s: float | None = None, request_timeout_s: float | None = None) -> LoadResult:
+    """Send inputs[i] at offsets[i] seconds (non-decreasing) to endpoints[i % n], at most shape.concurrency
+    in flight, in the order of the inputs; stop at the deadline (timeout_s after the start).
 
-    Endpoints must carry the model name. Requests still waiting or in flight at the deadline are
-    recorded as failed, so len(outputs) == len(inputs) always.
+    Endpoints must carry the model name. Without a send window, requests still waiting or in flight at
+    the deadline are recorded as failed, so len(outputs) == len(inputs). With send_window_s, nothing is
+    sent after that many seconds, requests not sent by then are left out (LoadResult.sent says which
+    were sent), and the ones in flight may finish until the deadline. request_timeout_s (default
+    timeout_s) bounds waiting for a connection and a stalled response (make_session).
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s  # loop.time() is the monotonic clock
     slots = asyncio.Semaphore(shape.concurrency) if shape.concurrency else None
-    async with make_session(shape, timeout_s) as session:
+    outputs: dict[int, RequestOutput] = {}
+    async with make_session(shape, request_timeout_s or timeout_s) as session:
         run_start, started_at = time.perf_counter(), time.time()
+        window_end = run_start + send_window_s if send_window_s is not None else math.inf
+        in_flight: set[asyncio.Task] = set()
 
-        async def one(index: int) -> RequestOutput:
-            output = await _send_on_time(session, endpoints[index % len(endpoints)], inputs[index],
-                                         run_start + offsets[index], slots, deadline, ignore_eos, run_start)
+        async def one(index: int) -> None:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    output = await send_request(session, endpoints[index % len(endpoints)], inputs[index],
+                                                ignore_eos, run_start)
+            except TimeoutError:
+                output = _past_deadline(run_start)
+            finally:
+                if slots:
+                    slots.release()
+            outputs[index] = output
             if on_done:
                 on_done(output)
-            return output
 
-        outputs = await asyncio.gather(*(one(i) for i in range(len(inputs))))
-        return LoadResult(outputs=list(outputs), duration_s=time.perf_counter() - run_start, started_at=started_at)
+        # One dispatcher, not a task per input: a closed loop may offer millions of inputs.
+        dispatched = 0
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout_at(deadline):
+                while dispatched < len(inputs):
+                    send_at = run_start + offsets[dispatched]
+                    if send_at > window_end:
+                        break
+                    await asyncio.sleep(max(0.0, send_at - time.perf_counter()))
+                    if slots:
+                        await slots.acquire()
+                    if time.perf_counter() > window_end:
+                        if slots:
+                            slots.release()
+                        break
+                    task = asyncio.create_task(one(dispatched))
+                    in_flight.add(task)
+                    task.add_done_callback(in_flight.discard)
+                    dispatched += 1
+        if in_flight:
+            await asyncio.wait(set(in_flight))
+        duration_s = time.perf_counter() - run_start
+    if send_window_s is None:
+        for index in range(dispatched, len(inputs)):  # never sent: the deadline came first
+            outputs[index] = _past_deadline(run_start)
+            if on_done:
+                on_done(outputs[index])
+    sent = sorted(outputs)
+    return LoadResult(outputs=[outputs[i] for i in sent], duration_s=duration_s, started_at=started_at, sent=sent)
 
 
-async def _send_on_time(session: aiohttp.ClientSession, endpoint: Endpoint, request: RequestInput, send_at: float,
-                        slots: asyncio.Semaphore | None, deadline: float, ignore_eos: bool,
-                        run_start: float) -> RequestOutput:
-    """Wait for the arrival time and a free slot, then send; give up at the run deadline."""
-    try:
-        async with asyncio.timeout_at(deadline):
-            await asyncio.sleep(max(0.0, send_at - time.perf_counter()))
-            if slots is None:
-                return await send_request(session, endpoint, request, ignore_eos, run_start)
-            async with slots:
-                return await send_request(session, endpoint, request, ignore_eos, run_start)
-    except TimeoutError:
-        return RequestOutput(ok=False, error="run deadline reached (see --timeout)",
-                             start_s=time.perf_counter() - run_start)
+def _past_deadline(run_start: float) -> RequestOutput:
+    return RequestOutput(ok=False, error="run deadline reached (see --timeout)", start_s=time.perf_counter() - run_start)

@@ -5,34 +5,23 @@ Definitions follow vLLM's `vllm bench serve` so results line up with it:
   for goodput a one-token request counts as TPOT 0.
 - ITL percentiles are over all inter-chunk gaps of all successful requests.
 - Throughputs divide by the run's wall time (first dispatch to last completion).
-- Percentiles interpolate linearly between order statistics (numpy's default).
+- Percentiles: hpcserve.benchmark.stats.percentile (linear interpolation, numpy's default).
 """
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hpcserve.benchmark.loadgen import LoadShape, RequestOutput
+from hpcserve.benchmark.stats import percentile
 from hpcserve.core.errors import UsageError
 
 SLO_KEYS = {"ttft_ms": "time to first token", "tpot_ms": "time per output token", "e2e_ms": "end-to-end latency"}
 MAX_ERRORS_KEPT = 5
 FORMAT_VERSION = 1
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """The q-th percentile (0-100) with linear interpolation; None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100.0
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 @dataclass(frozen=True)

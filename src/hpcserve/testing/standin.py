@@ -22,6 +22,18 @@ that disconnects cancels its request at once, as vLLM aborts one whose connectio
 When HPCSERVE_STUB_API_KEY is set, requests without `Authorization: Bearer <key>` get 401, as vLLM does
 (the scheme in any case, as vLLM reads it).
 
+With --kv-tokens K a stand-in has vLLM's prefix cache, so that cache hits follow a router's choices as
+an engine's would: tokens are the prompt's whitespace-separated words (benchmarks/gpu/model_folder.py's
+tokenizer: one word, one token; a chat prompt is its messages' contents each followed by a space), the
+cache holds K / 16 whole 16-token blocks named by a hash chained over everything before them, least
+recently used dropped first, and never the prompt's last token. A request waits --prefill-us per
+uncached prompt token before its first token; answers are words `wN`; usage counts the words and says
+the cached tokens (prompt_tokens_details); /metrics adds vLLM's prefix-cache and token counters.
+Every stand-in also answers /tokenize and the two /render routes (vllm-router's cache_aware asks them
+for token ids: a word `wN` is id N) and, with VLLM_SERVER_DEV_MODE=1 as vLLM wants, POST
+/reset_prefix_cache. A path it does not serve is logged. benchmarks/gpu/vllm_standin.py starts one with
+`vllm serve`'s arguments.
+
 A farm (--count N) serves N stand-ins on N ports from one process (one event loop), and an admin API
 on --admin-port that the benchmarks drive:
 
@@ -36,10 +48,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
+import random
 import re
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import StrEnum
 from importlib import resources
@@ -56,6 +71,8 @@ CRASHING_PROMPT = "__crash__"
 CONFIG = web.AppKey("config", dict)
 METRICS = web.AppKey("metrics", object)
 FROZEN = web.AppKey("frozen", asyncio.Event)
+CACHE = web.AppKey("prefix_cache", object)
+BLOCK_TOKENS = 16  # vLLM's default KV block
 FILLED_FAMILIES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                    "vllm:request_success_total", "vllm:request_success_created")
 
@@ -119,6 +136,69 @@ def filled_families(running: float, waiting: float, kv_usage: float, finished: f
             f'vllm:request_success_total{{{labels},finished_reason="length"}} {float(finished)}\n')
 
 
+# ------------------------------------------------------------------ the prefix cache (--kv-tokens)
+
+class PrefixCache:
+    """vLLM's prefix cache in miniature: whole blocks of words, each named by a hash chained over everything
+    before it, the least recently used dropped first."""
+
+    def __init__(self, tokens: int):
+        self.capacity = max(1, tokens // BLOCK_TOKENS)
+        self.blocks: OrderedDict[bytes, None] = OrderedDict()
+        self.counters = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "prompt_tokens": 0,
+                         "generation_tokens": 0, "num_preemptions": 0,
+                         "time_to_first_token_seconds_sum": 0.0, "time_to_first_token_seconds_count": 0}
+
+    @staticmethod
+    def hashes(tokens: list[str]) -> list[bytes]:
+        out, previous = [], b""
+        for start in range(0, len(tokens) - len(tokens) % BLOCK_TOKENS, BLOCK_TOKENS):
+            previous = hashlib.blake2b(previous + " ".join(tokens[start:start + BLOCK_TOKENS]).encode(),
+                                       digest_size=8).digest()
+            out.append(previous)
+        return out
+
+    def lookup(self, tokens: list[str]) -> int:
+        """Tokens served from the cache: leading whole blocks, never the whole prompt (as vLLM)."""
+        hit = 0
+        for block in self.hashes(tokens[:-1]):
+            if block not in self.blocks:
+                break
+            self.blocks.move_to_end(block)
+            hit += 1
+        self.counters["prefix_cache_queries"] += len(tokens)
+        self.counters["prefix_cache_hits"] += hit * BLOCK_TOKENS
+        self.counters["prompt_tokens"] += len(tokens)
+        return hit * BLOCK_TOKENS
+
+    def insert(self, tokens: list[str]) -> None:
+        for block in self.hashes(tokens):
+            self.blocks[block] = None
+            self.blocks.move_to_end(block)
+        while len(self.blocks) > self.capacity:
+            self.blocks.popitem(last=False)
+
+    def metrics(self, model: str) -> str:
+        """The counters in vLLM's names (what benchmarks/gpu/device_util.py reads)."""
+        labels = f'engine="0",model_name="{model}"'
+        return "".join(f"vllm:{name if name.startswith('time_to_first') else name + '_total'}{{{labels}}} "
+                       f"{float(value)}\n" for name, value in self.counters.items())
+
+
+def prompt_words(body: dict) -> list[str]:
+    """A request's tokens for the prefix cache: a completion's prompt words, or a chat's messages'
+    contents each followed by a space (the template benchmarks/gpu/routing_device.sh gives vLLM). Pure."""
+    if "messages" in body:
+        return "".join(str(m.get("content") or "") + " " for m in body.get("messages") or []).split()
+    prompt = body.get("prompt") or ""
+    return str(prompt[0] if isinstance(prompt, list) and prompt else prompt).split()
+
+
+def word_ids(words: list[str]) -> list[int]:
+    """model_folder.py's tokenizer: `wN` is id N, anything else <unk> (2). Pure."""
+    return [int(word[1:]) if word[1:].isdigit() else 2 for word in words]
+
+
 # ------------------------------------------------------------------ one stand-in
 
 def _authorized(request: web.Request) -> bool:
@@ -177,32 +257,72 @@ def parsed_body(raw: bytes) -> dict | None:
     return body if isinstance(body, dict) else None
 
 
+@dataclass
+class Answer:
+    """What one request gets: its tokens' texts, usage, and how long before the first token."""
+
+    pieces: list[str]
+    usage: dict
+    first_delay_s: float
+    prompt: list[str] = field(default_factory=list)  # the prompt's words, with a prefix cache
+
+
+def plan_answer(app: web.Application, body: dict, tokens: int) -> Answer:
+    config, cache = app[CONFIG], app.get(CACHE)
+    if cache is None:
+        return Answer(["x"] * tokens, {"prompt_tokens": 1, "completion_tokens": tokens, "total_tokens": tokens + 1},
+                      config["first_token_delay_s"])
+    prompt = prompt_words(body)
+    hit = cache.lookup(prompt)
+    words = [f"w{config['rng'].randrange(3, 10000)}" for _ in range(tokens)]
+    usage = {"prompt_tokens": len(prompt), "completion_tokens": tokens, "total_tokens": len(prompt) + tokens,
+             "prompt_tokens_details": {"cached_tokens": hit}}
+    delay = config["first_token_delay_s"] + (len(prompt) - hit) * config["prefill_s_per_token"]
+    return Answer([(" " if i else "") + w for i, w in enumerate(words)], usage, delay, prompt)
+
+
+def finished(app: web.Application, answer: Answer, started: float, first_at: float) -> None:
+    cache = app.get(CACHE)
+    if cache is not None:
+        cache.insert(answer.prompt + [p.strip() for p in answer.pieces[:-1]])  # the last token's KV is never made
+        cache.counters["generation_tokens"] += len(answer.pieces)
+        cache.counters["time_to_first_token_seconds_sum"] += first_at - started
+        cache.counters["time_to_first_token_seconds_count"] += 1
+
+
 async def _answer(request: web.Request, body: dict, chat: bool) -> web.StreamResponse:
     config, stats = request.app[CONFIG], request.app[STATS]
     tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or config["tokens"])
-    name, delay, first_delay = config["name"], config["token_delay_s"], config["first_token_delay_s"]
+    name, delay = config["name"], config["token_delay_s"]
+    started = time.perf_counter()
+    answer = plan_answer(request.app, body, tokens)
     stats["in_flight"] += 1
     try:
         if not body.get("stream"):
-            if delay or first_delay:
-                await asyncio.sleep(first_delay + delay * tokens)
-            return web.json_response(completion_body(name, chat, "x" * tokens, tokens), headers={"x-backend": name})
+            if delay or answer.first_delay_s:
+                await asyncio.sleep(answer.first_delay_s + delay * tokens)
+            finished(request.app, answer, started, time.perf_counter())
+            whole = completion_body(name, chat, "".join(answer.pieces), tokens)
+            whole.update(model=config["model"], usage=answer.usage)
+            return web.json_response(whole, headers={"x-backend": name})
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "x-backend": name})
         await response.prepare(request)
-        if first_delay:
-            await asyncio.sleep(first_delay)
-        for _ in range(tokens):
+        if answer.first_delay_s:
+            await asyncio.sleep(answer.first_delay_s)
+        first_at = None
+        for piece in answer.pieces:
             if delay:
                 await asyncio.sleep(delay)
-            await response.write(chunk_line(name, chat, "x"))
+            first_at = first_at or time.perf_counter()
+            await response.write(chunk_line(name, chat, piece))
         if (body.get("stream_options") or {}).get("include_usage"):
-            usage = {"id": "cmpl-stub", "model": "stub", "choices": [],
-                     "usage": {"prompt_tokens": 1, "completion_tokens": tokens, "total_tokens": tokens + 1}}
+            usage = {"id": "cmpl-stub", "model": config["model"], "choices": [], "usage": answer.usage}
             await response.write(b"data: " + json.dumps(usage).encode() + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
         if config["end_delay_s"]:  # vLLM's server under load: the body's end comes a little after [DONE]
             await asyncio.sleep(config["end_delay_s"])
         await response.write_eof()
+        finished(request.app, answer, started, first_at or time.perf_counter())
         return response
     finally:
         stats["in_flight"] -= 1
@@ -213,7 +333,8 @@ async def _models(request: web.Request) -> web.Response:
     await _frozen_gate(request)
     if not _authorized(request):
         return web.json_response({"error": "Unauthorized"}, status=401)
-    return web.json_response({"object": "list", "data": [{"id": "stub", "object": "model", "owned_by": "hpcserve"}]})
+    return web.json_response({"object": "list", "data": [{"id": request.app[CONFIG]["model"], "object": "model",
+                                                          "max_model_len": 2048, "owned_by": "hpcserve"}]})
 
 
 async def _metrics(request: web.Request) -> web.Response:
@@ -222,8 +343,32 @@ async def _metrics(request: web.Request) -> web.Response:
     stats["metrics_reads"] += 1
     slots = request.app[CONFIG]["slots"]
     kv = min(1.0, stats["in_flight"] / slots) if slots < 1_000_000 else 0.0
+    cache = request.app.get(CACHE)
+    if cache is not None:
+        kv = len(cache.blocks) / cache.capacity
     text = request.app[METRICS].render(stats["in_flight"], stats["waiting"], kv, stats["done"])
+    if cache is not None:
+        text += cache.metrics(request.app[CONFIG]["model"])
     return web.Response(text=text, content_type="text/plain")
+
+
+async def _token_ids(request: web.Request) -> web.Response:
+    """/tokenize, /v1/completions/render and /v1/chat/completions/render in vLLM's shapes."""
+    body = parsed_body(await request.read()) or {}
+    ids = word_ids(prompt_words(body))
+    if request.path == "/tokenize":
+        return web.json_response({"count": len(ids), "max_model_len": 2048, "tokens": ids, "token_strs": None})
+    item = {"request_id": "render", "token_ids": ids or [2]}
+    return web.json_response([item] if request.path == "/v1/completions/render" else item)
+
+
+async def _reset_prefix_cache(request: web.Request) -> web.Response:
+    if os.environ.get("VLLM_SERVER_DEV_MODE") != "1":  # vLLM serves it in dev mode only
+        return web.json_response({"detail": "Not Found"}, status=404)
+    cache = request.app.get(CACHE)
+    if cache is not None:
+        cache.blocks.clear()
+    return web.Response(text="")
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -240,22 +385,39 @@ async def _name_every_response(request: web.Request, response: web.StreamRespons
     response.headers.setdefault("x-backend", request.app[CONFIG]["name"])  # 404s and /v1/models too
 
 
+@web.middleware
+async def _log_unserved(request: web.Request, handler):
+    """A path no stand-in serves is worth a line: a router or client asking what an engine would answer."""
+    try:
+        return await handler(request)
+    except web.HTTPNotFound:
+        print(f"standin {request.app[CONFIG]['name']}: {request.method} {request.path}: not served (404)", flush=True)
+        raise
+
+
 def make_app(name: str, token_delay_s: float = 0.0, tokens: int = 16, api_key: str | None = None,
              slots: int = 1_000_000, metrics: MetricsPage | None = None,
-             first_token_delay_s: float = 0.0, end_delay_s: float = 0.0) -> web.Application:
-    app = web.Application()
+             first_token_delay_s: float = 0.0, end_delay_s: float = 0.0, model: str = "stub",
+             kv_tokens: int = 0, prefill_s_per_token: float = 0.0, seed: int = 0) -> web.Application:
+    app = web.Application(middlewares=[_log_unserved])
     app[SLOTS] = asyncio.Semaphore(slots)
     app[FROZEN] = asyncio.Event()
-    app[METRICS] = metrics or MetricsPage.load()
+    # With a prefix cache, vLLM's own counters go after the page: the small one leaves no duplicates.
+    app[METRICS] = metrics or MetricsPage.load(small=bool(kv_tokens))
     app[CONFIG] = {"name": name, "token_delay_s": token_delay_s, "tokens": tokens, "api_key": api_key,
                    "slots": slots, "first_token_delay_s": first_token_delay_s, "end_delay_s": end_delay_s,
-                   "key_check": KeyCheck(api_key)}
+                   "key_check": KeyCheck(api_key), "model": model, "prefill_s_per_token": prefill_s_per_token,
+                   "rng": random.Random(seed)}
+    if kv_tokens:
+        app[CACHE] = PrefixCache(kv_tokens)
     app.on_response_prepare.append(_name_every_response)
     app[STATS] = {"requests": 0, "waiting": 0, "in_flight": 0, "done": 0, "failed": 0, "crashed": 0, "last_body": None,
                   "health_reads": 0, "metrics_reads": 0}
     app.add_routes([web.post("/v1/completions", _complete), web.post("/v1/chat/completions", _complete),
                     web.get("/v1/models", _models), web.get("/health", _health), web.get("/metrics", _metrics),
-                    web.get("/stub/stats", _stats)])
+                    web.get("/stub/stats", _stats), web.post("/tokenize", _token_ids),
+                    web.post("/v1/completions/render", _token_ids), web.post("/v1/chat/completions/render", _token_ids),
+                    web.post("/reset_prefix_cache", _reset_prefix_cache)])
     return app
 
 
@@ -322,7 +484,7 @@ class Farm:
     """N stand-ins on N ports in one event loop, and the admin API that changes them."""
 
     def __init__(self, ports: list[int], host: str = "127.0.0.1", **app_settings):
-        metrics = MetricsPage.load(app_settings.pop("small_metrics", False))
+        metrics = MetricsPage.load(app_settings.pop("small_metrics", False) or bool(app_settings.get("kv_tokens")))
         self.standins = {port: Standin(port, make_app(f"s{port}", metrics=metrics, **app_settings), host)
                          for port in ports}
 
@@ -382,17 +544,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--end-delay-ms", type=float, default=0.0, help="a stream's end this long after its [DONE]")
     parser.add_argument("--slots", type=int, default=1_000_000, help="requests run at once; the rest wait")
     parser.add_argument("--small-metrics", action="store_true", help="/metrics with the four read families only")
+    parser.add_argument("--model", default="stub", help="the model name /v1/models gives")
+    parser.add_argument("--kv-tokens", type=int, default=0, help="a prefix cache of this many tokens (0: none)")
+    parser.add_argument("--prefill-us", type=float, default=0.0, help="with --kv-tokens: per uncached prompt token")
     args = parser.parse_args(argv)
     settings = {"token_delay_s": args.token_delay_ms / 1000.0, "tokens": args.tokens,
                 "first_token_delay_s": args.first_token_delay_ms / 1000.0, "end_delay_s": args.end_delay_ms / 1000.0,
-                "api_key": os.environ.get("HPCSERVE_STUB_API_KEY"), "slots": args.slots}
+                "api_key": os.environ.get("HPCSERVE_STUB_API_KEY"), "slots": args.slots, "model": args.model,
+                "kv_tokens": args.kv_tokens, "prefill_s_per_token": args.prefill_us / 1e6}
     if args.ports or args.count:
         ports = ([int(p) for p in args.ports.split(",")] if args.ports
                  else list(range(args.port, args.port + args.count)))
         farm = Farm(ports, args.host, small_metrics=args.small_metrics, **settings)
         run_loop(serve_farm(farm, args.admin_port))
         return
-    app = make_app(args.name, metrics=MetricsPage.load(args.small_metrics), **settings)
+    app = make_app(args.name, metrics=MetricsPage.load(args.small_metrics or bool(args.kv_tokens)), **settings)
     web.run_app(app, host=args.host, port=args.port, print=None, access_log=None, handler_cancellation=True)
 
 
