@@ -13,7 +13,10 @@ hits follow a router's choices as vLLM's would. Time: a request waits for one of
 the scripts, it measures nothing). Serves /v1/completions and /v1/chat/completions (streamed or not, usage
 with prompt_tokens_details.cached_tokens when asked), /v1/models, /health, POST /reset_prefix_cache
 (VLLM_SERVER_DEV_MODE=1 as vLLM wants), /tokenize and the two /render routes (vllm-router's cache_aware asks
-them for token ids), and /metrics with vLLM's counter names. Logs `GPU KV cache size: N
+them for token ids), and /metrics with vLLM's counter names. With VLLM_SERVER_DEV_MODE=1 and --enable-sleep-mode
+also sleep mode's routes (POST /sleep?level=&mode=abort|wait, /wake_up?tags=, /collective_rpc, GET /is_sleeping;
+for sleep_wake.py's dry run): a sleeping engine holds new requests until it wakes, mode=abort ends the streams in
+flight with finish_reason "abort", mode=wait waits for them; sleeping and waking take STANDIN_SLEEP_MS. Logs `GPU KV cache size: N
 tokens` as vLLM does, and every path it does not serve.
 """
 
@@ -83,6 +86,10 @@ class Engine:
                          "time_to_first_token_seconds_sum": 0.0, "time_to_first_token_seconds_count": 0}
         self.running = self.waiting = 0
         self.rng = random.Random(a.port)
+        self.awake = asyncio.Event()
+        self.awake.set()
+        self.aborting = False
+        self.asleep_tags: set[str] = set()
 
     async def complete(self, request: web.Request) -> web.StreamResponse:
         chat = request.path.endswith("/chat/completions")
@@ -91,6 +98,7 @@ class Engine:
         n_out = int(body.get("max_tokens") or 16)
         t0 = time.perf_counter()
         self.waiting += 1
+        await self.awake.wait()
         async with self.slots:
             self.waiting -= 1
             self.running += 1
@@ -118,6 +126,7 @@ class Engine:
             self.finish(tokens, out)
             text = " ".join(out)
             choice = {"index": 0, "message": {"role": "assistant", "content": text}} if chat else {"index": 0, "text": " " + text}
+            choice["finish_reason"] = "length"
             return web.json_response({"id": "x", "object": kind, "model": body.get("model"), "choices": [choice], "usage": usage})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
@@ -130,8 +139,14 @@ class Engine:
         for i, word in enumerate(out):
             if i:
                 await asyncio.sleep(self.a.decode_ms / 1e3)
+            if self.aborting:
+                await send({"id": "x", "object": kind, "choices": [{"index": 0, "text": "", "finish_reason": "abort"}]})
+                break
             piece = (" " if i or not chat else "") + word
+            last = i == len(out) - 1
             choice = {"index": 0, "delta": {"content": piece}} if chat else {"index": 0, "text": piece}
+            if last:
+                choice["finish_reason"] = "length"
             await send({"id": "x", "object": kind + (".chunk" if chat else ""), "choices": [choice]})
         if (body.get("stream_options") or {}).get("include_usage"):
             await send({"id": "x", "object": kind, "choices": [], "usage": usage})
@@ -171,6 +186,36 @@ class Engine:
         item = {"request_id": "render", "token_ids": ids or [2]}
         return web.json_response([item] if request.path == "/v1/completions/render" else item)
 
+    async def sleep(self, request: web.Request) -> web.Response:
+        level = int(request.query.get("level", "1"))
+        if request.query.get("mode", "abort") == "abort":
+            self.aborting = True
+        self.awake.clear()
+        while self.running:  # mode=wait: the streams in flight finish; abort: they end at their next token
+            await asyncio.sleep(0.01)
+        self.aborting = False
+        await asyncio.sleep(self.a.sleep_ms / 1e3)
+        if level >= 1:
+            self.asleep_tags = {"weights", "kv_cache"}
+            self.cache.blocks.clear()
+        return web.Response(text="")
+
+    async def wake_up(self, request: web.Request) -> web.Response:
+        tags = request.query.getall("tags", []) or ["weights", "kv_cache"]
+        await asyncio.sleep(self.a.sleep_ms / 1e3)
+        self.asleep_tags -= set(tags)
+        if not self.asleep_tags:
+            self.awake.set()
+        return web.Response(text="")
+
+    async def is_sleeping(self, _request) -> web.Response:
+        return web.json_response({"is_sleeping": not self.awake.is_set()})
+
+    async def rpc(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        await asyncio.sleep(self.a.sleep_ms / 1e3)
+        return web.json_response({"results": [None]}) if body.get("method") else web.json_response({}, status=400)
+
     async def models(self, _request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": self.a.served_model_name, "object": "model",
                                                               "max_model_len": 2048, "owned_by": "vllm"}]})
@@ -197,6 +242,8 @@ def main() -> None:
     ap.add_argument("--enable-prompt-tokens-details", action="store_true")
     ap.add_argument("--prefill-us", type=float, default=float(os.environ.get("STANDIN_PREFILL_US", 20)))
     ap.add_argument("--decode-ms", type=float, default=float(os.environ.get("STANDIN_DECODE_MS", 2)))
+    ap.add_argument("--enable-sleep-mode", action="store_true")
+    ap.add_argument("--sleep-ms", type=float, default=float(os.environ.get("STANDIN_SLEEP_MS", "300")))
     a, ignored = ap.parse_known_args()
     engine = Engine(a)
     print(f"vllm_standin: ignoring {' '.join(ignored)}", flush=True)
@@ -206,6 +253,9 @@ def main() -> None:
                     web.get("/metrics", engine.metrics), web.post("/reset_prefix_cache", engine.reset),
                     web.post("/tokenize", engine.tokens), web.post("/v1/completions/render", engine.tokens),
                     web.post("/v1/chat/completions/render", engine.tokens), web.get("/v1/models", engine.models), web.get("/health", lambda r: web.Response(text=""))])
+    if a.enable_sleep_mode and os.environ.get("VLLM_SERVER_DEV_MODE") == "1":
+        app.add_routes([web.post("/sleep", engine.sleep), web.post("/wake_up", engine.wake_up),
+                        web.get("/is_sleeping", engine.is_sleeping), web.post("/collective_rpc", engine.rpc)])
     web.run_app(app, host=a.host, port=a.port, print=None, access_log=None)
 
 
