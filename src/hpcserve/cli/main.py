@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -16,7 +15,8 @@ from hpcserve.cli.doctor import doctor
 from hpcserve.cli.monitor import monitor
 from hpcserve.cli.sandbox import app as sandbox_app
 from hpcserve.cli.status import logs, status
-from hpcserve.cli.tenancy import app as keys_app, usage
+from hpcserve.cli.tenancy import app as keys_app
+from hpcserve.cli.tenancy import usage
 from hpcserve.core.statuses import RunStatus, Stage, StageEvent
 from hpcserve.core.timeline import breakdown_line
 from hpcserve.site.files import load_with_site
@@ -37,8 +37,8 @@ STAGE_WAIT = {Stage.ADOPT: "checking the router and every member's job and repli
 @app.command()
 @guarded
 def up(config: Path = ConfigArg,
-       timeout: Optional[float] = typer.Option(None, help="seconds to wait for ready (default: engine.startup_timeout_s + 600)"),
-       site: Optional[Path] = SiteOption):
+       timeout: float | None = typer.Option(None, help="seconds to wait for ready (default: engine.startup_timeout_s + 600)"),
+       site: Path | None = SiteOption):
     """Start a deployment and wait until it serves: job -> Ray cluster -> health check -> engine -> a real completion.
 
     Returns while the deployment keeps running; stop it with `hpcserve down NAME`.

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from hpcserve.core.net import is_loopback
 
-
 # vLLM's parser takes --api_key for --api-key and any unique prefix of it (--api-k, --api-ke).
 API_KEY_OPTION = "--api-key"
 # Names of variables that hold secrets by convention (HF_TOKEN, WANDB_API_KEY, AWS_SECRET_ACCESS_KEY, ...);

@@ -171,7 +171,7 @@ def teardown(parts: Deployment) -> None:
     if parts.replicas is not None:
         try:
             parts.replicas.stop()
-        except Exception:  # noqa: BLE001 - keep going: the cluster must stop regardless
+        except Exception:  # keep going: the cluster must stop regardless
             log.exception("stopping the engines failed")
     if parts.cluster is not None:
         parts.cluster.stop()

@@ -12,9 +12,9 @@ set: see _fork_on_cpu. A `serve` with hpcserve's KV-event relay gets the publish
 
 from __future__ import annotations
 
-import importlib.metadata as metadata
 import os
 import sys
+from importlib import metadata
 
 from hpcserve.engine.kv_events import set_up_publisher
 

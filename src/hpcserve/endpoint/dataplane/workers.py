@@ -40,8 +40,8 @@ import aiohttp
 from aiohttp import web
 
 from hpcserve.core.statuses import Routing
-from hpcserve.endpoint.dataplane.routing.table import Affinity, Backend, RoutingTable, record
 from hpcserve.endpoint.dataplane.metrics import Collector, Stats, merged_backends
+from hpcserve.endpoint.dataplane.routing.table import Affinity, Backend, RoutingTable, record
 from hpcserve.endpoint.dataplane.server import bind_admin_socket, metrics_response, owner_only
 from hpcserve.endpoint.protocol import (
     BACKENDS,
@@ -187,7 +187,7 @@ def supervise(settings, key: str | None, client_socks: list[socket.socket], admi
                 setproctitle.setproctitle(f"{PROCESS_TITLE}-worker {index} --port {settings.port}")
                 uvloop.run(serve(settings, key, client_socks[index], worker_socks[index], paths[index],
                                  Peers(links[index])))
-            except BaseException:  # noqa: BLE001 - a worker never returns into the supervisor's code
+            except BaseException:  # a worker never returns into the supervisor's code
                 log.exception("worker %d failed", index)
                 code = 1
             finally:
