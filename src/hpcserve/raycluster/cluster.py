@@ -223,8 +223,8 @@ def missing_nodes(expected: dict[str, str | None], alive: list[dict], cpus: int,
         else:
             res = by_address[address].get("Resources", {})
             if res.get("CPU", 0) != cpus or res.get("GPU", 0) != gpus:
-                missing.append((node, f"registered with CPU={res.get('CPU', 0)} GPU={res.get('GPU', 0)}, "
-                                      f"expected CPU={cpus} GPU={gpus}"))
+                missing.append((node, (f"registered with CPU={res.get('CPU', 0)} GPU={res.get('GPU', 0)}, "
+                                       f"expected CPU={cpus} GPU={gpus}")))
     return missing
 
 
