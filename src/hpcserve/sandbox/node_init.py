@@ -33,7 +33,7 @@ def log(message: str) -> None:
 
 def mount(*args: str) -> None:
     """Run mount(8); a failure here means the node cannot work, so say exactly what failed."""
-    done = subprocess.run(["mount", *args], capture_output=True, text=True, timeout=10)
+    done = subprocess.run(["mount", *args], capture_output=True, text=True, timeout=10, check=False)
     if done.returncode != 0:
         raise SystemExit(f"mount {' '.join(args)} failed: {done.stdout}{done.stderr}".strip())
 
