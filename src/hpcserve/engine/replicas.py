@@ -192,7 +192,7 @@ class ReplicaSet:
                     continue
                 try:
                     answers[replica.index] = completion_probe(replica.url, self.cfg.model.name, self.api_key)
-                except Exception:  # noqa: BLE001 - not ready yet; the deadline decides
+                except Exception:  # noqa: BLE001, S110 - not ready yet; the deadline decides
                     pass
             if time.monotonic() > deadline:
                 waiting = [r for r in self.replicas if r.index not in answers]
@@ -231,7 +231,7 @@ class ReplicaSet:
         pending = [p.actor.stop.remote() for p in self.processes()]
         try:
             ray.get(pending, timeout=60)
-        except Exception:  # noqa: BLE001 - the actors' deaths kill their engines (PDEATHSIG)
+        except Exception:  # noqa: BLE001, S110 - the actors' deaths kill their engines (PDEATHSIG)
             pass
         for replica in self.replicas:
             for proc in replica.processes:

@@ -98,7 +98,8 @@ class MetricsPage:
 
 def without_families(text: str, names: tuple[str, ...]) -> str:
     """Prometheus text without the HELP/TYPE/sample lines of the named families. Pure."""
-    pattern = re.compile(r"^(# (HELP|TYPE) )?(%s)[ {]" % "|".join(re.escape(n) for n in names))
+    alternatives = "|".join(re.escape(n) for n in names)
+    pattern = re.compile(rf"^(# (HELP|TYPE) )?({alternatives})[ {{]")
     return "".join(line for line in text.splitlines(keepends=True) if not pattern.match(line))
 
 

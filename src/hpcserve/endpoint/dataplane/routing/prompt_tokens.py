@@ -147,7 +147,7 @@ def compile_template(source: str):
     """A chat template compiled as transformers compiles it (sandboxed, trim_blocks, lstrip_blocks, its
     tojson, raise_exception and strftime_now; `{% generation %}` blocks rendered as they are)."""
     class Generation(jinja2.ext.Extension):
-        tags = {"generation"}
+        tags = {"generation"}  # noqa: RUF012 - jinja2's Extension declares it so
 
         def parse(self, parser):
             lineno = next(parser.stream).lineno
