@@ -29,9 +29,10 @@ app = typer.Typer(
 
 # ------------------------------------------------------------------ up / adopt / down
 
-STAGE_WAIT = {Stage.ADOPT: "checking the router and every member's job and replicas",
-              Stage.RAY: "starting Ray on every node", Stage.HEALTH: "running the health check",
-              Stage.ENGINE: "loading the model and waiting for a real completion", Stage.READY: "serving"}
+STAGE_WAIT: dict[str, str] = {Stage.ADOPT: "checking the router and every member's job and replicas",
+                              Stage.RAY: "starting Ray on every node", Stage.HEALTH: "running the health check",
+                              Stage.ENGINE: "loading the model and waiting for a real completion",
+                              Stage.READY: "serving"}
 
 
 @app.command()
@@ -86,8 +87,9 @@ def stage_printer(spinner):
     t0 = time.monotonic()
 
     def show(event: api.Event) -> None:
-        mark = {StageEvent.STARTED: "[cyan]…[/]", StageEvent.DONE: "[green]✓[/]",
-                StageEvent.FAILED: "[red]✗[/]"}.get(event.event, "·")
+        marks: dict[str, str] = {StageEvent.STARTED: "[cyan]…[/]", StageEvent.DONE: "[green]✓[/]",
+                                 StageEvent.FAILED: "[red]✗[/]"}
+        mark = marks.get(event.event, "·")
         detail = f" [dim]{event.detail}[/]" if event.detail else ""
         console.print(f"{mark} {event.stage:<8} {event.event:<8} +{time.monotonic() - t0:5.1f}s{detail}", highlight=False)
         if event.event == StageEvent.STARTED:

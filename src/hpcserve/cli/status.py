@@ -107,9 +107,10 @@ def deployment_lines(r: api.DeploymentStatus) -> list[str]:
 
 
 def _colour(state: str) -> str:
-    colour = {RunStatus.READY: "green", RunStatus.FAILED: "red", RunStatus.DEAD: "red",
-              RunStatus.DEGRADED: "yellow", RunStatus.UNCONTROLLED: "yellow",
-              RunStatus.HOLDING: "yellow"}.get(state, "cyan")
+    colours: dict[str, str] = {RunStatus.READY: "green", RunStatus.FAILED: "red", RunStatus.DEAD: "red",
+                               RunStatus.DEGRADED: "yellow", RunStatus.UNCONTROLLED: "yellow",
+                               RunStatus.HOLDING: "yellow"}
+    colour = colours.get(state, "cyan")
     return f"[{colour}]{state}[/]"
 
 
