@@ -190,8 +190,9 @@ async def warm_up(endpoints: list[Endpoint], request: RequestInput, options: Ben
 async def _warm_up_once(session: aiohttp.ClientSession, endpoint: Endpoint, request: RequestInput,
                         ignore_eos: bool) -> None:
     output = await send_request(session, endpoint, request, ignore_eos, run_start=0.0)
-    if not output.ok and (output.error or "").startswith(("HTTP 401", "HTTP 403")):
-        raise UsageError(unauthorized_message(endpoint.base_url, int(output.error[5:8]), endpoint.api_key))
+    error = output.error or ""
+    if not output.ok and error.startswith(("HTTP 401", "HTTP 403")):
+        raise UsageError(unauthorized_message(endpoint.base_url, int(error[5:8]), endpoint.api_key))
     if not output.ok:
         raise BenchmarkError(f"warm-up request to {endpoint.base_url} (model '{endpoint.model}') failed: "
                              f"{output.error}")
