@@ -261,6 +261,10 @@ class LocalRun:
     def queue_line(self) -> str | None:
         return None
 
+    def info(self) -> JobInfo | None:
+        """No Slurm job."""
+        return None
+
     def stop(self, timeout_s: float = 90.0, grace_s: float = 0.0) -> list[int]:
         """SIGTERM (the driver stops engines, then Ray, in order); whatever the orderly stop missed is
         killed by the PIDs recorded before. Returns PIDs still alive afterwards, which should be none.

@@ -194,7 +194,8 @@ class Backends:
 
     def in_flight_to(self, url: str) -> int:
         """Requests still running through the data plane to url, removed (retired) or not."""
-        return sum(b.in_flight for b in [*self.backends, *self.retired] if b.url == url)
+        return (sum(b.in_flight for b in self.backends if b.url == url)
+                + sum(r.in_flight for r in self.retired if r.url == url))
 
 
 def backends_from_json(data: dict) -> list[BackendState]:

@@ -138,7 +138,7 @@ class NodeMetrics:
 def last_lines(text: str, count: int) -> list[dict]:
     """The last `count` JSON lines of a sampler file's tail; a cut first line or a half-written last one
     is skipped. Pure."""
-    out = []
+    out: list[dict] = []
     for line in reversed(text.splitlines()):
         if len(out) == count:
             break

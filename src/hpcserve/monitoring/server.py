@@ -62,7 +62,7 @@ class MonitorServer:
 
     @property
     def url(self) -> str:
-        host, port = self.httpd.server_address[:2]
+        host, port = self.httpd.socket.getsockname()[:2]
         return f"http://{host}:{port}"
 
     def serve_forever(self) -> None:

@@ -91,7 +91,9 @@ class PromptTokenizer:
             return None  # a template of the request's own, or tools: rendered by the engine alone
         conversation = [normalized(m) for m in messages]
         continue_final = bool(data.get("continue_final_message"))
-        kwargs = data.get("chat_template_kwargs") if isinstance(data.get("chat_template_kwargs"), dict) else {}
+        kwargs = data.get("chat_template_kwargs")
+        if not isinstance(kwargs, dict):
+            kwargs = {}
         text = self.template.render(messages=conversation, tools=None, documents=None,
                                     add_generation_prompt=bool(data.get("add_generation_prompt", True))
                                     and not continue_final, **{**self.special, **kwargs})
