@@ -54,7 +54,6 @@ BAD_PROMPT = "__answer_400__"
 FAILING_PROMPT = "__answer_500__"
 CRASHING_PROMPT = "__crash__"
 CONFIG = web.AppKey("config", dict)
-METRICS = web.AppKey("metrics", object)
 FROZEN = web.AppKey("frozen", asyncio.Event)
 FILLED_FAMILIES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                    "vllm:request_success_total", "vllm:request_success_created")
@@ -122,6 +121,9 @@ def filled_families(running: float, waiting: float, kv_usage: float, finished: f
 
 # ------------------------------------------------------------------ one stand-in
 
+METRICS = web.AppKey("metrics", MetricsPage)
+
+
 def _authorized(request: web.Request) -> bool:
     """As vLLM checks its key: the Bearer scheme in any case, the token compared as a hash."""
     return request.app[CONFIG]["key_check"].allows(request.headers.get("Authorization"))
@@ -150,7 +152,8 @@ async def _complete(request: web.Request) -> web.StreamResponse:
         return web.json_response({"error": {"message": "engine error", "code": 500}}, status=500)
     if body.get("prompt") == CRASHING_PROMPT:  # received, then the connection is gone: no answer at all
         stats["crashed"] += 1
-        request.transport.abort()
+        if request.transport is not None:  # None: the client has gone already
+            request.transport.abort()
         await asyncio.Event().wait()
     stats["requests"] += 1
     stats["waiting"] += 1

@@ -119,8 +119,8 @@ class Peers:
                 message = sock.recv(DATAGRAM_BYTES)
             except (BlockingIOError, OSError):
                 return
-            url, _, raw = message.partition(b"\n")
-            url = url.decode(errors="replace")
+            head, _, raw = message.partition(b"\n")
+            url = head.decode(errors="replace")
             pool = pool_of(url)
             if pool is not None and len(raw) >= COUNTS.size:  # a backend this worker knows (a PUT apart at most)
                 texts, tokens = COUNTS.unpack_from(raw)
