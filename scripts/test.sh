@@ -2,14 +2,20 @@
 # Installs everything the tests need on a fresh Debian/Ubuntu machine, then runs them.
 # Real components: vLLM on CPU, Ray, and (as root) a real Slurm cluster in network namespaces, whose
 # Debian packages the sandbox installs itself on first use.
-#   bash scripts/test.sh            everything (what CI runs), on two workers (pytest-xdist; tests/conftest.py
-#                                   says what runs where), with the 20 slowest listed
+#   bash scripts/test.sh            everything (what CI runs): ruff and mypy over src/, then pytest on two workers
+#                                   (pytest-xdist; tests/conftest.py says what runs where), with the 20 slowest listed
 #   bash scripts/test.sh --fast     only what needs no engine and no sandbox, for the edit-test loop
 #   bash scripts/test.sh ARGS       one pytest run with these arguments, e.g. -x -k router (in one process;
 #                                   HPCSERVE_TEST_WORKERS=2 runs them on two workers)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
+# The whole run (CI) lints and type-checks first: seconds, and set -e fails the run on either. Settings in
+# pyproject.toml ([tool.ruff], [tool.mypy]).
+if [ $# -eq 0 ]; then
+  .venv/bin/ruff check src
+  .venv/bin/mypy
+fi
 PYTEST=(.venv/bin/python -m pytest -p no:cacheprovider)
 FAST=(-m "not slow and not sandbox")
 if [ "${1:-}" = "--fast" ]; then

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from hpcserve.core.config import DeploymentConfig, load_config
 from hpcserve.core.errors import HpcserveError, NotFoundError, UsageError
@@ -217,6 +217,6 @@ def usage(target: str | Path, by: GroupBy = GroupBy.USER, since: float | None = 
 
 
 # The library's surface: what the CLI, the workflows and users' scripts import from here.
-__all__ = ["up", "adopt", "check", "down", "status", "log_files", "api_key_for", "gatherer", "endpoints",
-           "tenancy_store", "add_key", "keys", "revoke_key", "usage",
-           "load_record", "load_config", "HpcserveError", "Event", "UpResult", "DeploymentStatus", "RunStatus"]
+__all__ = ["DeploymentStatus", "Event", "HpcserveError", "RunStatus", "UpResult", "add_key", "adopt",
+           "api_key_for", "check", "down", "endpoints", "gatherer", "keys", "load_config", "load_record",
+           "log_files", "revoke_key", "status", "tenancy_store", "up", "usage"]

@@ -10,7 +10,7 @@ import asyncio
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Protocol
 
 import aiohttp
@@ -115,7 +115,7 @@ async def run_benchmark_async(endpoints: Sequence[Endpoint], options: BenchOptio
     await warm_up(ready, inputs[0], options)
     runs = [await _run_one_load(ready, inputs, load, options, progress) for load in options.loads]
     return BenchResult(
-        target=target or ready[0].base_url, date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        target=target or ready[0].base_url, date=datetime.now(UTC).isoformat(timespec="seconds"),
         command=list(command if command is not None else sys.argv), config=options.as_config(),
         endpoints=[endpoint.base_url for endpoint in ready], runs=runs, gpus=options.gpus,
     )
@@ -190,8 +190,9 @@ async def warm_up(endpoints: list[Endpoint], request: RequestInput, options: Ben
 async def _warm_up_once(session: aiohttp.ClientSession, endpoint: Endpoint, request: RequestInput,
                         ignore_eos: bool) -> None:
     output = await send_request(session, endpoint, request, ignore_eos, run_start=0.0)
-    if not output.ok and (output.error or "").startswith(("HTTP 401", "HTTP 403")):
-        raise UsageError(unauthorized_message(endpoint.base_url, int(output.error[5:8]), endpoint.api_key))
+    error = output.error or ""
+    if not output.ok and error.startswith(("HTTP 401", "HTTP 403")):
+        raise UsageError(unauthorized_message(endpoint.base_url, int(error[5:8]), endpoint.api_key))
     if not output.ok:
         raise BenchmarkError(f"warm-up request to {endpoint.base_url} (model '{endpoint.model}') failed: "
                              f"{output.error}")

@@ -7,6 +7,7 @@ else the plain throughput ratio (then it reads "speed-up", not efficiency: the t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,7 +66,7 @@ def _percent(value: float | None) -> str:
     return "-" if value is None else f"{100.0 * value:.0f}%"
 
 
-def compare_files(paths: list[str | Path]) -> list[RenderableType]:
+def compare_files(paths: Sequence[str | Path]) -> list[RenderableType]:
     """One table per load point of the first file; the files that lack that load point are left out."""
     named = [(str(path), load_result(path)) for path in paths]
     return [comparison_table(label, columns) for label, columns in columns_by_load(named).items()]

@@ -199,7 +199,7 @@ class _StreamTimer:
         if data.get("error"):
             raise RuntimeError(f"server error in stream: {data['error']}")
         if data.get("choices"):
-            if self.first_at is None:
+            if self.last_at is None:  # the first token
                 self.first_at = now
             else:
                 self.gaps.append(now - self.last_at)
@@ -211,7 +211,7 @@ class _StreamTimer:
 
     def output(self, request: RequestInput, run_start: float) -> RequestOutput:
         usage = self.usage or {}
-        if self.first_at is None:
+        if self.first_at is None or self.last_at is None:
             return self.failure("the stream ended before any token arrived", run_start)
         return RequestOutput(
             ok=True, ttft_s=self.first_at - self.sent_at, itl_s=self.gaps, e2e_s=self.last_at - self.sent_at,

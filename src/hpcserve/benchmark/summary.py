@@ -59,7 +59,7 @@ class RunSummary:
 
 
 def tpot_s(output: RequestOutput) -> float | None:
-    if not output.ok or output.output_tokens <= 1:
+    if not output.ok or output.output_tokens <= 1 or output.ttft_s is None or output.e2e_s is None:
         return None
     return (output.e2e_s - output.ttft_s) / (output.output_tokens - 1)
 
@@ -84,7 +84,7 @@ def parse_slo(text: str | None) -> dict[str, float]:
 
 
 def meets_slo(output: RequestOutput, slo: dict[str, float]) -> bool:
-    if not output.ok:
+    if not output.ok or output.ttft_s is None or output.e2e_s is None:
         return False
     measured_ms = {"ttft_ms": 1000.0 * output.ttft_s, "tpot_ms": 1000.0 * (tpot_s(output) or 0.0),
                    "e2e_ms": 1000.0 * output.e2e_s}
@@ -95,7 +95,7 @@ def first_errors(outputs: list[RequestOutput], limit: int = MAX_ERRORS_KEPT) -> 
     """The first distinct error messages, in order of appearance."""
     seen: list[str] = []
     for output in outputs:
-        if not output.ok and output.error not in seen:
+        if not output.ok and output.error is not None and output.error not in seen:
             seen.append(output.error)
             if len(seen) == limit:
                 break
@@ -112,10 +112,10 @@ def summarize(outputs: list[RequestOutput], duration_s: float, slo: dict[str, fl
         request_throughput=per_second(len(good)), input_throughput=per_second(input_tokens),
         output_throughput=per_second(output_tokens), total_input_tokens=input_tokens,
         total_output_tokens=output_tokens,
-        ttft_ms=LatencyStats.of_seconds([o.ttft_s for o in good]),
+        ttft_ms=LatencyStats.of_seconds([o.ttft_s for o in good if o.ttft_s is not None]),
         tpot_ms=LatencyStats.of_seconds([t for o in good if (t := tpot_s(o)) is not None]),
         itl_ms=LatencyStats.of_seconds([gap for o in good for gap in o.itl_s]),
-        e2e_ms=LatencyStats.of_seconds([o.e2e_s for o in good]),
+        e2e_ms=LatencyStats.of_seconds([o.e2e_s for o in good if o.e2e_s is not None]),
         goodput=per_second(sum(meets_slo(o, slo) for o in good)) if slo else None,
         first_errors=first_errors(outputs),
     )

@@ -17,6 +17,7 @@ from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
     Progress,
+    TaskID,
     TextColumn,
     TimeElapsedColumn,
 )
@@ -56,7 +57,7 @@ def parse_rate_list(option: str, text: str) -> list[float]:
 
 def build_loads(concurrency: str | None, request_rate: str | None) -> tuple[LoadShape, ...]:
     """The sweep. One option may list several values; the other, if given, applies to every run."""
-    limits: list[int | None] = parse_int_list("--concurrency", concurrency) if concurrency else [None]
+    limits: list[int | None] = list(parse_int_list("--concurrency", concurrency)) if concurrency else [None]
     rates = parse_rate_list("--request-rate", request_rate) if request_rate else [math.inf]
     if len(limits) > 1 and len(rates) > 1:
         raise UsageError("sweep one of --concurrency and --request-rate, not both (the other may be one value)")
@@ -77,13 +78,14 @@ class RichProgress:
 
     def __init__(self, progress: Progress):
         self.progress = progress
-        self.task = None
+        self.task: TaskID | None = None
 
     def start_run(self, label: str, total: int) -> None:
         self.task = self.progress.add_task(label, total=total)
 
     def request_done(self, output: RequestOutput) -> None:
-        self.progress.advance(self.task)
+        if self.task is not None:  # None only before the first start_run
+            self.progress.advance(self.task)
 
 
 def _progress_bar(console: Console) -> Progress:

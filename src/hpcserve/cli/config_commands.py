@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -32,7 +31,7 @@ from hpcserve.workflows.validate import validate as run_validation
 
 
 @guarded
-def render(config: Path = ConfigArg, site: Optional[Path] = SiteOption):
+def render(config: Path = ConfigArg, site: Path | None = SiteOption):
     """Print the sbatch script `up` would submit (dry run; nothing is submitted)."""
     cfg = load_with_site(config, site)
     print(render_batch_script(cfg, config_yaml(cfg), sys.executable, Path(cfg.results_dir).resolve()), end="")
@@ -62,9 +61,9 @@ def check(config: Path = ConfigArg):
 
 
 @guarded
-def plan(config: Optional[Path] = typer.Argument(None, help="deployment YAML (see examples/local.yaml)", show_default=False),
-         concurrency: Optional[int] = typer.Option(None, min=1, help="requests in flight to plan for (default: "
-                                                   "serve.expected_concurrency; neither: rank by capacity)"),
+def plan(config: Path | None = typer.Argument(None, help="deployment YAML (see examples/local.yaml)", show_default=False),
+         concurrency: int | None = typer.Option(None, min=1, help="requests in flight to plan for (default: "
+                                                "serve.expected_concurrency; neither: rank by capacity)"),
          list_models: bool = typer.Option(False, "--list-models", help="list the model catalogue (model.catalog names)")):
     """Pick the tensor x pipeline x replicas layout that fits the model and serves the most tokens/s.
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
@@ -21,7 +20,7 @@ SiteOption = typer.Option(None, "--site", help="YAML file with the site section 
 
 
 def doctor(config: Path = typer.Argument(..., help="deployment YAML", show_default=False),
-           site: Optional[Path] = SiteOption,
+           site: Path | None = SiteOption,
            as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
     """Tell what is missing or wrong on this site before anything is submitted: Slurm's commands and
     controller, partition, GRES, account/QOS, the batch script (sbatch --test-only), and from inside the

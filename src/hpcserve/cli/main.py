@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -16,7 +15,8 @@ from hpcserve.cli.doctor import doctor
 from hpcserve.cli.monitor import monitor
 from hpcserve.cli.sandbox import app as sandbox_app
 from hpcserve.cli.status import logs, status
-from hpcserve.cli.tenancy import app as keys_app, usage
+from hpcserve.cli.tenancy import app as keys_app
+from hpcserve.cli.tenancy import usage
 from hpcserve.core.statuses import RunStatus, Stage, StageEvent
 from hpcserve.core.timeline import breakdown_line
 from hpcserve.site.files import load_with_site
@@ -29,16 +29,17 @@ app = typer.Typer(
 
 # ------------------------------------------------------------------ up / adopt / down
 
-STAGE_WAIT = {Stage.ADOPT: "checking the router and every member's job and replicas",
-              Stage.RAY: "starting Ray on every node", Stage.HEALTH: "running the health check",
-              Stage.ENGINE: "loading the model and waiting for a real completion", Stage.READY: "serving"}
+STAGE_WAIT: dict[str, str] = {Stage.ADOPT: "checking the router and every member's job and replicas",
+                              Stage.RAY: "starting Ray on every node", Stage.HEALTH: "running the health check",
+                              Stage.ENGINE: "loading the model and waiting for a real completion",
+                              Stage.READY: "serving"}
 
 
 @app.command()
 @guarded
 def up(config: Path = ConfigArg,
-       timeout: Optional[float] = typer.Option(None, help="seconds to wait for ready (default: engine.startup_timeout_s + 600)"),
-       site: Optional[Path] = SiteOption):
+       timeout: float | None = typer.Option(None, help="seconds to wait for ready (default: engine.startup_timeout_s + 600)"),
+       site: Path | None = SiteOption):
     """Start a deployment and wait until it serves: job -> Ray cluster -> health check -> engine -> a real completion.
 
     Returns while the deployment keeps running; stop it with `hpcserve down NAME`.
@@ -86,8 +87,9 @@ def stage_printer(spinner):
     t0 = time.monotonic()
 
     def show(event: api.Event) -> None:
-        mark = {StageEvent.STARTED: "[cyan]…[/]", StageEvent.DONE: "[green]✓[/]",
-                StageEvent.FAILED: "[red]✗[/]"}.get(event.event, "·")
+        marks: dict[str, str] = {StageEvent.STARTED: "[cyan]…[/]", StageEvent.DONE: "[green]✓[/]",
+                                 StageEvent.FAILED: "[red]✗[/]"}
+        mark = marks.get(event.event, "·")
         detail = f" [dim]{event.detail}[/]" if event.detail else ""
         console.print(f"{mark} {event.stage:<8} {event.event:<8} +{time.monotonic() - t0:5.1f}s{detail}", highlight=False)
         if event.event == StageEvent.STARTED:

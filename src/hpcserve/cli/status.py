@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Group
@@ -24,7 +23,7 @@ from hpcserve.endpoint import acknowledge, describe_holding, lost_line
 
 
 @guarded
-def status(name: Optional[str] = typer.Argument(None, help="one deployment; default: all"),
+def status(name: str | None = typer.Argument(None, help="one deployment; default: all"),
            as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
            watch: bool = typer.Option(False, "--watch", "-w", help="live view of nodes and replicas; Ctrl-C to stop"),
            interval: float = typer.Option(2.0, min=0.5, help="seconds between refreshes with --watch"),
@@ -110,20 +109,21 @@ def deployment_lines(r: api.DeploymentStatus) -> list[str]:
 
 
 def _colour(state: str) -> str:
-    colour = {RunStatus.READY: "green", RunStatus.FAILED: "red", RunStatus.DEAD: "red",
-              RunStatus.DEGRADED: "yellow", RunStatus.UNCONTROLLED: "yellow",
-              RunStatus.HOLDING: "yellow", RunStatus.ASLEEP: "blue", RunStatus.WAKING: "yellow"}.get(state, "cyan")
+    colours: dict[str, str] = {RunStatus.READY: "green", RunStatus.FAILED: "red", RunStatus.DEAD: "red",
+                               RunStatus.DEGRADED: "yellow", RunStatus.UNCONTROLLED: "yellow",
+                               RunStatus.HOLDING: "yellow", RunStatus.ASLEEP: "blue", RunStatus.WAKING: "yellow"}
+    colour = colours.get(state, "cyan")
     return f"[{colour}]{state}[/]"
 
 
 @guarded
 def logs(name: str = NameArg,
-         node: Optional[str] = typer.Option(None, help="only this node's files (hostname)"),
-         component: Optional[str] = typer.Option(None, help="driver, slurm, ray, engine, health, monitor, timeline"),
+         node: str | None = typer.Option(None, help="only this node's files (hostname)"),
+         component: str | None = typer.Option(None, help="driver, slurm, ray, engine, health, monitor, timeline"),
          follow: bool = typer.Option(False, "--follow", "-f", help="keep printing new lines"),
          lines: int = typer.Option(40, help="last lines of each file"),
-         level: Optional[str] = typer.Option(None, help="only records at this level or above: "
-                                             "DEBUG, INFO, WARNING, ERROR, CRITICAL"),
+         level: str | None = typer.Option(None, help="only records at this level or above: "
+                                          "DEBUG, INFO, WARNING, ERROR, CRITICAL"),
          list_only: bool = typer.Option(False, "--list", help="only list the files")):
     """Show a deployment's logs: every node's, in one results folder."""
     if level is not None and level.upper() not in LEVELS:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import csv
 import sys
 import time
-from typing import Optional
 
 import typer
 
@@ -28,17 +27,17 @@ DeploymentArg = typer.Argument(..., help="the deployment's name, or its config f
 def add(user: str = typer.Argument(..., help="who the key is for (a Unix or e-mail name)", show_default=False),
         deployment: str = typer.Option(..., "--deployment", "-d", help="the deployment's name, or its config file",
                                        show_default=False),
-        project: Optional[str] = typer.Option(None, help="what the usage is reported under (a Slurm account, a grant)"),
-        models: Optional[list[str]] = typer.Option(None, "--model", help="a model the key may use (repeat); "
-                                                   "default: all"),
-        rpm: Optional[int] = typer.Option(None, min=1, help="requests per minute"),
-        tpm: Optional[int] = typer.Option(None, min=1, help="tokens per minute (prompt + completion)"),
-        tpd: Optional[int] = typer.Option(None, min=1, help="tokens per UTC day"),
-        max_n: Optional[int] = typer.Option(None, min=1, help="the most choices (n) of one request"),
-        max_best_of: Optional[int] = typer.Option(None, min=1, help="the largest best_of of one request"),
-        max_tokens: Optional[int] = typer.Option(None, min=1, help="the largest max_tokens of one request"),
-        expires: Optional[str] = typer.Option(None, help="when the key stops working: 30d, 12h, or a date "
-                                              "(2027-01-31); default: never")):
+        project: str | None = typer.Option(None, help="what the usage is reported under (a Slurm account, a grant)"),
+        models: list[str] | None = typer.Option(None, "--model", help="a model the key may use (repeat); "
+                                                "default: all"),
+        rpm: int | None = typer.Option(None, min=1, help="requests per minute"),
+        tpm: int | None = typer.Option(None, min=1, help="tokens per minute (prompt + completion)"),
+        tpd: int | None = typer.Option(None, min=1, help="tokens per UTC day"),
+        max_n: int | None = typer.Option(None, min=1, help="the most choices (n) of one request"),
+        max_best_of: int | None = typer.Option(None, min=1, help="the largest best_of of one request"),
+        max_tokens: int | None = typer.Option(None, min=1, help="the largest max_tokens of one request"),
+        expires: str | None = typer.Option(None, help="when the key stops working: 30d, 12h, or a date "
+                                           "(2027-01-31); default: never")):
     """Make a key for USER and print it, once: only its salted hash is kept."""
     limits = Limits(rpm, tpm, tpd, max_n, max_best_of, max_tokens)
     key, record = api.add_key(deployment, user, project=project, models=tuple(models) if models else None,
@@ -94,8 +93,8 @@ def request(name: str = typer.Argument(..., help="the deployment's name", show_d
 @guarded
 def usage(deployment: str = DeploymentArg,
           by: GroupBy = typer.Option(GroupBy.USER, "--by", help="one line per user, project, model or UTC day"),
-          since: Optional[str] = typer.Option(None, help="from this long ago (7d, 12h) or this date (2026-12-01)"),
-          until: Optional[str] = typer.Option(None, help="up to this long ago or this date"),
+          since: str | None = typer.Option(None, help="from this long ago (7d, 12h) or this date (2026-12-01)"),
+          until: str | None = typer.Option(None, help="up to this long ago or this date"),
           as_csv: bool = typer.Option(False, "--csv", help="CSV on stdout, for a spreadsheet or a report")):
     """Who used what: requests, tokens (prompt, cached, completion), failures, migrations, time to first token."""
     totals = api.usage(deployment, by, parse_when(since, past=True) if since else None,

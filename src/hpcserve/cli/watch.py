@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from rich.console import Console, Group
+from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
@@ -81,7 +81,7 @@ def render(snapshot: Snapshot) -> Group:
     style = STATUS_STYLE.get(str(d.get("status")), "cyan")
     head = Text.assemble((f"{d['name']} ", "bold"), (str(d.get("status")), style),
                          f"  stage {d.get('stage') or '-'}  {d.get('runner') or ''}")
-    parts = [head]
+    parts: list[RenderableType] = [head]
     if d.get("error"):
         parts.append(Text(f"stage '{d['error'].get('stage')}' failed: {d['error'].get('diagnosis')}", style="red"))
     parts += [replica_table(snapshot.replicas), *replica_urls(snapshot.replicas), node_table(snapshot.nodes)]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import yaml
 from pydantic import (
@@ -374,7 +374,7 @@ class DeploymentConfig(Strict):
                       "`hpcserve down NAME`): lowercase letters, digits and '-', at most 40")
     model: ModelSpec = Field(description="the model to serve")
     cluster: ClusterSpec = Field(ClusterSpec(), description="where it runs and each node's resources")
-    parallelism: Union[Literal["auto"], Layout] = Field(Layout(), description="'auto' or {tensor, pipeline, replicas}")
+    parallelism: Literal["auto"] | Layout = Field(Layout(), description="'auto' or {tensor, pipeline, replicas}")
     engine: EngineSpec = Field(EngineSpec(), description="how each vLLM engine is started")
     serve: ServeSpec = Field(ServeSpec(), description="the endpoint clients use")
     autoscale: AutoscaleSpec | None = Field(None, description="replicas follow the load: Slurm jobs, or local "

@@ -1,12 +1,13 @@
 """What the deployment file's schema (core/config.py) refuses, as pure functions: secrets where they would
 show (an --api-key among vLLM's arguments, a secret in engine.env), no API key off one's own machine, a
 layout the cluster cannot hold. Their arguments are the schema's sections (ServeSpec, ClusterSpec, Layout),
-not imported here: the schema imports these."""
+not imported here: the schema imports these. The protocols below name the fields each check reads."""
 
 from __future__ import annotations
 
-from hpcserve.core.net import is_loopback
+from typing import Protocol
 
+from hpcserve.core.net import is_loopback
 
 # vLLM's parser takes --api_key for --api-key and any unique prefix of it (--api-k, --api-ke).
 API_KEY_OPTION = "--api-key"
@@ -14,6 +15,37 @@ API_KEY_OPTION = "--api-key"
 # names of files holding them (HF_TOKEN_PATH, ..._FILE) carry a path, not the secret.
 SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL")
 PATH_SUFFIXES = ("_PATH", "_FILE", "_DIR")
+
+
+class ServeSpec(Protocol):
+    @property
+    def host(self) -> str: ...
+    @property
+    def api_key_env(self) -> str | None: ...
+    @property
+    def insecure_no_api_key(self) -> bool: ...
+
+
+class ClusterSpec(Protocol):
+    @property
+    def scheduler(self) -> str: ...
+    @property
+    def nodes(self) -> int: ...
+    @property
+    def gpus_per_node(self) -> int: ...
+    @property
+    def cpus_per_node(self) -> int: ...
+
+
+class Layout(Protocol):
+    @property
+    def tensor(self) -> int: ...
+    @property
+    def pipeline(self) -> int: ...
+    @property
+    def replicas(self) -> int: ...
+    @property
+    def workers_per_replica(self) -> int: ...
 
 
 def is_api_key_option(arg: str) -> bool:

@@ -3,6 +3,7 @@ masked), what is wrong and the fix; an unknown key with the keys valid there."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel
@@ -10,7 +11,7 @@ from pydantic import BaseModel
 from hpcserve.core.config_checks import is_api_key_option
 
 
-def format_error(err: dict[str, Any], raw: dict[str, Any], schema: type[BaseModel]) -> str:
+def format_error(err: Mapping[str, Any], raw: dict[str, Any], schema: type[BaseModel]) -> str:
     """One line: field, bad value, what is wrong and how to fix it. schema: the model the file was
     validated against (DeploymentConfig), which lists the valid keys."""
     loc = [str(p) for p in err["loc"] if not _is_union_tag(p)]
@@ -59,9 +60,10 @@ def _model_at(schema: type[BaseModel], loc: list[str]) -> type[BaseModel] | None
         field = model.model_fields.get(part)
         if field is None:
             return None
-        model = _model_in(field.annotation)
-        if model is None:
+        inner = _model_in(field.annotation)
+        if inner is None:
             return None
+        model = inner
     return model
 
 

@@ -175,13 +175,13 @@ def _constraints(annotation: Any, metadata: list[Any]) -> list[str]:
     low = high = pattern = None
     for item in metadata:
         if isinstance(item, annotated_types.Gt):
-            low = f"≥ {_number(item.gt + 1)}" if annotation is int else f"> {_number(item.gt)}"
+            low = f"≥ {_number(_bound(item.gt) + 1)}" if annotation is int else f"> {_number(_bound(item.gt))}"
         elif isinstance(item, annotated_types.Ge):
-            low = f"≥ {_number(item.ge)}"
+            low = f"≥ {_number(_bound(item.ge))}"
         elif isinstance(item, annotated_types.Lt):
-            high = f"≤ {_number(item.lt - 1)}" if annotation is int else f"< {_number(item.lt)}"
+            high = f"≤ {_number(_bound(item.lt) - 1)}" if annotation is int else f"< {_number(_bound(item.lt))}"
         elif isinstance(item, annotated_types.Le):
-            high = f"≤ {_number(item.le)}"
+            high = f"≤ {_number(_bound(item.le))}"
         elif getattr(item, "pattern", None):
             pattern = f"matching `{item.pattern}`"
         else:
@@ -189,6 +189,13 @@ def _constraints(annotation: Any, metadata: list[Any]) -> list[str]:
     if low and high and low.startswith("≥") and high.startswith("≤"):
         return [f"from {low[2:]} to {high[2:]}"]
     return [", ".join(bound for bound in (low, high) if bound)] if (low or high) else ([pattern] if pattern else [])
+
+
+def _bound(value: object) -> float:
+    """A bound as a number: annotated_types allows anything comparable, the schema's bounds are numbers."""
+    if not isinstance(value, (int, float)):
+        raise TypeError(f"no readable text for the bound {value!r}: teach config_reference._constraints")
+    return value
 
 
 def _number(value: float) -> str:

@@ -98,9 +98,9 @@ def serve(cfg: DeploymentConfig, parts: Deployment, run_dir: Path, writer: RunSt
 class Deployment:
     """What the driver started, for teardown in reverse order."""
 
-    cluster: object = None
+    cluster: RayCluster | None = None
     samplers: dict = field(default_factory=dict)
-    replicas: object = None
+    replicas: ReplicaSet | None = None
 
 
 def start_ray(cfg: DeploymentConfig, parts: Deployment, run_dir: Path, writer: RunStateWriter) -> None:
@@ -131,7 +131,9 @@ def check_health(cfg: DeploymentConfig, cluster, run_dir: Path, writer: RunState
 def start_engines(cfg: DeploymentConfig, parts: Deployment, run_dir: Path, writer: RunStateWriter) -> None:
     """Start every replica's engines, watched by the samplers; returns while they load."""
     model_path, layout = model_and_layout(cfg)
-    master_port, gcs_address = parts.cluster.ports.engine_master, parts.cluster.gcs_address  # what they need of Ray
+    if parts.cluster is None:
+        raise RuntimeError("the engines start on the Ray cluster start_ray started")
+    master_port, gcs_address = parts.cluster.block.engine_master, parts.cluster.gcs_address  # what they need of Ray
     loader = choose(cfg.engine.load_format, cfg.engine.args, cfg.on_gpu)
     writer.begin("engine", f"{layout.replicas} replica(s) of tensor {layout.tensor} x pipeline {layout.pipeline}; "
                  f"weights: {loader.reason}")
@@ -166,12 +168,12 @@ def teardown(parts: Deployment) -> None:
 
         try:
             ray.get([s.stop.remote() for s in parts.samplers.values()], timeout=10)
-        except Exception:  # noqa: BLE001 - samples so far are on disk already
+        except Exception:  # noqa: BLE001, S110 - samples so far are on disk already
             pass
     if parts.replicas is not None:
         try:
             parts.replicas.stop()
-        except Exception:  # noqa: BLE001 - keep going: the cluster must stop regardless
+        except Exception:  # keep going: the cluster must stop regardless
             log.exception("stopping the engines failed")
     if parts.cluster is not None:
         parts.cluster.stop()

@@ -9,9 +9,9 @@ deadline.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from hpcserve.core.errors import StageError
 from hpcserve.core.keys import key_source

@@ -48,8 +48,8 @@ def run_to_end(writer: RunStateWriter, body: Callable[[], None], teardown: Calla
     except HpcserveError as exc:
         writer.fail(writer.state.get("stage", first_stage), str(exc), str(own_log))
         return 1
-    except Exception as exc:  # noqa: BLE001 - any other failure is still reported by stage
-        log.exception("%s: %s", type(exc).__name__, exc)
+    except Exception as exc:  # any other failure is still reported by stage
+        log.exception("%s: %s", type(exc).__name__, exc)  # noqa: TRY401 - the failure on the record's first line
         writer.fail(writer.state.get("stage", first_stage), f"{type(exc).__name__}: {exc}", str(own_log))
         return 1
     finally:

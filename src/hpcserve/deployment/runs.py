@@ -236,7 +236,10 @@ class LocalRun:
 
     def started_elsewhen(self, started: float) -> bool:
         """A process that started then is not ours (known only when our start was recorded)."""
-        return bool(self.record.driver_started) and abs(started - self.record.driver_started) > PID_REUSE_S
+        ours = self.record.driver_started
+        if not ours:
+            return False
+        return abs(started - ours) > PID_REUSE_S
 
     def reused_pid_note(self) -> str:
         """When its PID runs something that did not start when ours did: both start times, so that a
@@ -256,6 +259,10 @@ class LocalRun:
         return f"{self.record.kind} pid {self.record.driver_pid}{where}"
 
     def queue_line(self) -> str | None:
+        return None
+
+    def info(self) -> JobInfo | None:
+        """No Slurm job."""
         return None
 
     def stop(self, timeout_s: float = 90.0, grace_s: float = 0.0) -> list[int]:
@@ -311,6 +318,13 @@ class SlurmRun:
         return cls(Record(name=cfg.name, scheduler="slurm", run_dir=str(paths.root), job_id=job_id), slurm=client)
 
     @property
+    def job_id(self) -> str:
+        """Its Slurm job: run_of makes a LocalRun of a record without one."""
+        if self.record.job_id is None:
+            raise ValueError(f"{self.record.name}: a Slurm run's record names no job")
+        return self.record.job_id
+
+    @property
     def log(self) -> Path:
         return RunPaths(Path(self.record.run_dir)).slurm_out
 
@@ -318,9 +332,9 @@ class SlurmRun:
         """The job as Slurm knows it now (through the shared watcher: as of its last call, at most its
         interval ago); None when no Slurm command knows it (or Slurm did not answer)."""
         if self.jobs is not None:
-            return self.jobs.info(self.record.job_id)
+            return self.jobs.info(self.job_id)
         try:
-            return self.slurm.job(self.record.job_id)
+            return self.slurm.job(self.job_id)
         except SlurmError:
             return None
 
@@ -333,7 +347,7 @@ class SlurmRun:
     def runner_line(self) -> str:
         """What `status` says of the job: its state as Slurm tells it now."""
         info = self.info()
-        return f"job {self.record.job_id}: {info.describe() if info else 'unknown to Slurm'}"
+        return f"job {self.job_id}: {info.describe() if info else 'unknown to Slurm'}"
 
     def queue_line(self) -> str | None:
         """The job's state in one line while Slurm still holds it ("PENDING (Resources)", "RUNNING on ..."),
@@ -346,7 +360,7 @@ class SlurmRun:
         info = self.info()
         if info is None or info.state.finished:
             return []
-        job = self.record.job_id
+        job = self.job_id
         if grace_s and self.wait_finished(grace_s):
             return []
         if info.state is JobState.PENDING:  # nothing runs yet: a signal has nowhere to go
@@ -368,13 +382,13 @@ class SlurmRun:
         multiply the queries); alone, polled with backoff."""
         if self.jobs is None:
             try:
-                return self.slurm.wait_for(self.record.job_id, lambda j: j.state.finished, timeout=timeout_s,
+                return self.slurm.wait_for(self.job_id, lambda j: j.state.finished, timeout=timeout_s,
                                               poll=0.5).state.finished
             except JobWaitTimeout:
                 return False
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            info = self.jobs.info(self.record.job_id)
+            info = self.jobs.info(self.job_id)
             if info is None or info.state.finished:
                 return True
             time.sleep(FINISH_POLL_S)

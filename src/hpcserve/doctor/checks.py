@@ -163,13 +163,13 @@ TEST_ONLY_FIXES = [
     ("invalid partition", "set cluster.partition to one that `sinfo -s` lists"),
     ("invalid account", "set cluster.account to one of yours (`sacctmgr show assoc user=$USER`)"),
     ("invalid qos", "set cluster.qos to one your account may use (`sacctmgr show assoc user=$USER format=qos`)"),
-    ("gres", "GRES names or types differ on this site: compare `sinfo -o '%P %G'` with cluster.gpus_per_node and "
-     "any --gres in cluster.sbatch_extra (with GPUs, hpcserve already asks for --gpus-per-node)"),
-    ("node configuration is not available", "the request does not fit any node: compare gpus_per_node, "
-     "cpus_per_node, nodes and cluster.sbatch_extra (e.g. --gres types) with `sinfo -o '%P %D %c %G'`"),
+    ("gres", ("GRES names or types differ on this site: compare `sinfo -o '%P %G'` with cluster.gpus_per_node and "
+     "any --gres in cluster.sbatch_extra (with GPUs, hpcserve already asks for --gpus-per-node)")),
+    ("node configuration is not available", ("the request does not fit any node: compare gpus_per_node, "
+     "cpus_per_node, nodes and cluster.sbatch_extra (e.g. --gres types) with `sinfo -o '%P %D %c %G'`")),
     ("time limit", "lower cluster.time below the partition's limit"),
-    ("job violates accounting/qos policy", "the account/QOS does not allow this size or time: lower them or "
-     "use another QOS"),
+    ("job violates accounting/qos policy", ("the account/QOS does not allow this size or time: lower them or "
+     "use another QOS")),
 ]
 
 

@@ -45,7 +45,8 @@ PROBE_TIMEOUT_S = IMMEDIATE_S + 240.0  # waiting for nodes, then importing vLLM 
 
 def run_command(argv: list[str], timeout_s: float) -> Captured:
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL,
+                              check=False)
     except FileNotFoundError:
         return Captured(tuple(argv), 127, "", f"{argv[0]}: command not found")
     except subprocess.TimeoutExpired as exc:

@@ -67,7 +67,7 @@ class BackendSpec:
     def from_json(cls, data: object) -> BackendSpec:
         """From the admin API's JSON. Raises ValueError naming what is wrong."""
         if not isinstance(data, dict) or not isinstance(data.get("url"), str):
-            raise ValueError(f"a backend is an object with a 'url' string, not {str(data)[:80]}")
+            raise ValueError(f"a backend is an object with a 'url' string, not {str(data)[:80]}")  # noqa: TRY004
         url = data["url"].rstrip("/")
         if not url.startswith(("http://", "https://")) or "\n" in url or " " in url:
             raise ValueError(f"backend url {url[:80]!r} is not an http(s) URL")
@@ -76,7 +76,7 @@ class BackendSpec:
             raise ValueError(f"capacity of {url} must be a whole number from 1 to {MAX_CAPACITY}, not {capacity!r}")
         saturated = data.get("saturated", False)
         if not isinstance(saturated, bool):
-            raise ValueError(f"saturated of {url} must be true or false, not {saturated!r}")
+            raise ValueError(f"saturated of {url} must be true or false, not {saturated!r}")  # noqa: TRY004
         kv_tokens = data.get("kv_tokens")
         if kv_tokens is not None and (not isinstance(kv_tokens, int) or isinstance(kv_tokens, bool)
                                       or not 0 < kv_tokens <= MAX_KV_TOKENS):
@@ -200,7 +200,8 @@ class Backends:
 
     def in_flight_to(self, url: str) -> int:
         """Requests still running through the data plane to url, removed (retired) or not."""
-        return sum(b.in_flight for b in [*self.backends, *self.retired] if b.url == url)
+        return (sum(b.in_flight for b in self.backends if b.url == url)
+                + sum(r.in_flight for r in self.retired if r.url == url))
 
 
 def backends_from_json(data: dict) -> list[BackendState]:
@@ -391,7 +392,7 @@ class ModelSpec:
     def from_json(cls, data: object) -> ModelSpec:
         """Raises ValueError naming what is wrong."""
         if not isinstance(data, dict):
-            raise ValueError("a model is an object with a 'name'")
+            raise ValueError("a model is an object with a 'name'")  # noqa: TRY004
         name = data.get("name")
         if not isinstance(name, str) or not name or len(name) > 512 or any(c in name for c in "\n\r\0"):
             raise ValueError(f"a model's name must be a non-empty string (its served name), not {str(name)[:80]!r}")

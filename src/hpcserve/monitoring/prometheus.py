@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -28,7 +28,7 @@ def node_families(deployment: str, nodes: list[NodeMetrics]) -> list[Metric]:
     """Node and GPU gauges; a stale node only reports its sample age (its last values would lie)."""
     node = ["deployment", "node"]
     gpu = ["deployment", "node", "gpu"]
-    fams = {
+    fams: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
         "age": _gauge("hpcserve_node_sample_age_seconds", "Seconds since the node's sampler last wrote", node),
         "cpu": _gauge("hpcserve_node_cpu_percent", "CPU use of the whole node (100 = all cores)", node),
         "ram": _gauge("hpcserve_node_ram_used_bytes", "RAM in use on the node", node),

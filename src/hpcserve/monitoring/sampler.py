@@ -12,6 +12,7 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -105,7 +106,7 @@ def start_samplers(run_dir: Path, interval_s: float = 1.0) -> dict[str, object]:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    actors = [ray.remote(NodeSampler).options(
+    actors: list[Any] = [ray.remote(NodeSampler).options(  # Ray's types lack the handles' methods' .remote
         num_cpus=0, max_concurrency=4,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
     ).remote(str(run_dir / "monitor"), interval_s) for node in ray.nodes() if node["Alive"]]

@@ -62,7 +62,7 @@ class MonitorServer:
 
     @property
     def url(self) -> str:
-        host, port = self.httpd.server_address[:2]
+        host, port = self.httpd.socket.getsockname()[:2]
         return f"http://{host}:{port}"
 
     def serve_forever(self) -> None:
@@ -84,7 +84,7 @@ class MonitorServer:
         server = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            def do_GET(self) -> None:  # http.server's name
                 path = self.path.split("?", 1)[0]
                 if path in ("/", "/index.html"):
                     return self._send(200, "text/html; charset=utf-8", server.page)
@@ -108,7 +108,7 @@ class MonitorServer:
                 self.end_headers()
                 self.wfile.write(body)
 
-            def log_message(self, format: str, *args) -> None:  # noqa: A002 - quiet: polled every 2 s
+            def log_message(self, format: str, *args) -> None:  # quiet: polled every 2 s
                 pass
 
         return Handler

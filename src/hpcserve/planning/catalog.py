@@ -163,8 +163,8 @@ def check_agreement(entry: Entry, model_config: dict[str, Any]) -> None:
 
 def listing() -> list[str]:
     """One line per base model for `hpcserve plan --list-models`: shape, size and recommended settings."""
-    lines = [f"{'name':<17} {'params':>7} {'bf16':>8}  {'layers':>6} {'hidden':>6} {'heads':>5} {'kv':>3} "
-             f"{'context':>7} {'recommended':>11}  Hugging Face id"]
+    lines = [(f"{'name':<17} {'params':>7} {'bf16':>8}  {'layers':>6} {'hidden':>6} {'heads':>5} {'kv':>3} "
+              f"{'context':>7} {'recommended':>11}  Hugging Face id")]
     for name in names(include_variants=False):
         e, shape = BASE[name], ModelShape.from_config(BASE[name].config)
         lines.append(f"{name:<17} {total_params(shape) / 1e9:6.1f}B {estimate_weights_bytes(shape) / 2**30:6.0f}Gi  "

@@ -207,10 +207,13 @@ def _evaluate(shape: ModelShape, layout: Layout, cluster: ClusterSpec, s: PlanSe
         reserve, kv = 0, s.kv_cache_bytes_per_worker or 4 * GIB
     per_token = kv_bytes_per_token_per_worker(shape, layout.tensor, layout.pipeline, s.dtype, s.kv_cache_dtype)
     tokens = max(kv, 0) // per_token // BLOCK_SIZE * BLOCK_SIZE
-    if kv > 0 and tokens < s.max_model_len:
-        problems.append(f"KV cache holds {tokens:,} tokens per replica, less than max_model_len {s.max_model_len:,} "
+    max_len = s.max_model_len
+    if max_len is None:
+        raise ValueError("max_model_len unresolved: _evaluate takes resolve_settings' settings")
+    if kv > 0 and tokens < max_len:
+        problems.append(f"KV cache holds {tokens:,} tokens per replica, less than max_model_len {max_len:,} "
                         "(vLLM refuses to start): lower max_model_len or use more GPUs per replica")
-    concurrency = tokens / s.max_model_len
+    concurrency = tokens / max_len
     tp_eff, pp_eff = tp_efficiency(shape, layout, cluster), pp_efficiency(layout.pipeline)
     kv_factor = min(1.0, concurrency / s.min_concurrent_seqs) if s.min_concurrent_seqs else 1.0
     peak = layout.replicas * layout.workers_per_replica * tp_eff * pp_eff

@@ -25,9 +25,9 @@ def layout_words(layout: Layout) -> str:
 def explain(p: Plan) -> list[str]:
     s, unit = p.settings, ("GPU" if p.cluster.gpus_per_node else "CPU worker")
     total = estimate_weights_bytes(p.shape, s.dtype, s.quantization)
-    lines = [f"Model: {size(total)} of weights in {s.dtype}{' (' + s.quantization + ')' if s.quantization else ''}, "
-             f"{kv_bytes_per_token(p.shape, s.dtype, s.kv_cache_dtype) / 1024:.0f} KiB of KV cache per token; "
-             f"max_model_len {s.max_model_len:,}"]
+    lines = [(f"Model: {size(total)} of weights in {s.dtype}{' (' + s.quantization + ')' if s.quantization else ''}, "
+              f"{kv_bytes_per_token(p.shape, s.dtype, s.kv_cache_dtype) / 1024:.0f} KiB of KV cache per token; "
+              f"max_model_len {s.max_model_len:,}")]
     best = p.best
     if best is None:
         return lines + ["No layout fits:"] + [f"  {layout_words(c.layout)}: {'; '.join(c.problems)}" for c in p.rejected] \
@@ -35,11 +35,11 @@ def explain(p: Plan) -> list[str]:
     lay = best.layout
     lines += [
         f"Best: {layout_words(lay)} ({lay.workers_per_replica * lay.replicas} {unit}s), score {best.score:.2f}",
-        f"Weights: {size(best.weights_bytes_per_worker)} per {unit}; reserve for activations and runtime "
-        f"{size(best.reserve_bytes_per_worker)}; KV cache {size(best.kv_bytes_per_worker)} per {unit}",
+        (f"Weights: {size(best.weights_bytes_per_worker)} per {unit}; reserve for activations and runtime "
+         f"{size(best.reserve_bytes_per_worker)}; KV cache {size(best.kv_bytes_per_worker)} per {unit}"),
         f"KV cache: {best.kv_tokens_per_replica:,} tokens per replica, {best.kv_tokens_per_replica * lay.replicas:,} in all",
-        f"Concurrent sequences at max_model_len {s.max_model_len:,}: {best.max_concurrency:.1f} per replica, "
-        f"{best.max_concurrency * lay.replicas:.1f} in all",
+        (f"Concurrent sequences at max_model_len {s.max_model_len:,}: {best.max_concurrency:.1f} per replica, "
+         f"{best.max_concurrency * lay.replicas:.1f} in all"),
     ]
     if s.under_load:
         lines += load_lines(p, best)
@@ -57,8 +57,8 @@ def load_lines(p: Plan, best: Candidate) -> list[str]:
                  f"{best.in_flight_per_replica:.1f} per replica"
     else:
         source = f"{best.in_flight_per_replica:g} requests in flight per replica (autoscale: a full batch plus the queue target)"
-    lines = [f"Load: {source}; each replica runs {best.batch_per_replica:.1f} and reaches {best.load_factor:.2f} of "
-             f"its peak (half the peak at {throughput.C_HALF * best.layout.pipeline:.0f} running)"]
+    lines = [(f"Load: {source}; each replica runs {best.batch_per_replica:.1f} and reaches {best.load_factor:.2f} of "
+              f"its peak (half the peak at {throughput.C_HALF * best.layout.pipeline:.0f} running)")]
     at_capacity = max(p.ranked, key=lambda c: (round(c.capacity, 9), c.kv_tokens_per_replica))
     if at_capacity.layout != best.layout:
         lines.append(f"At capacity (saturated) {layout_words(at_capacity.layout)} would win "

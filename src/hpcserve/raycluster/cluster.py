@@ -7,6 +7,7 @@ by name, with its log.
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import socket
@@ -56,8 +57,15 @@ class RayCluster:
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     @property
+    def block(self) -> PortBlock:
+        """The ports start() took."""
+        if self.ports is None:
+            raise RuntimeError("the Ray cluster has no ports before start()")
+        return self.ports
+
+    @property
     def gcs_address(self) -> str:
-        return f"{self.head_address}:{self.ports.gcs}"
+        return f"{self.head_address}:{self.block.gcs}"
 
     def environment(self) -> dict[str, str]:
         """What every process of this deployment needs to talk to this cluster (no secret values); the
@@ -89,9 +97,9 @@ class RayCluster:
     def _node_argv(self, role: str) -> list[str]:
         argv = [sys.executable, "-m", "hpcserve.raycluster.node", role, f"--run-dir={self.plan.run_dir}",
                 f"--temp-root={self.temp_root}", f"--num-cpus={self.plan.num_cpus}", f"--num-gpus={self.plan.num_gpus}",
-                f"--agent-port={self.ports.dashboard_agent_listen}", f"--join-timeout={self.plan.join_timeout_s}"]
+                f"--agent-port={self.block.dashboard_agent_listen}", f"--join-timeout={self.plan.join_timeout_s}"]
         if role == "head":
-            argv += [f"--gcs-port={self.ports.gcs}", f"--client-port={self.ports.client_server}",
+            argv += [f"--gcs-port={self.block.gcs}", f"--client-port={self.block.client_server}",
                      f"--address={self.head_address}"]
         else:
             argv += [f"--head={self.gcs_address}"]
@@ -111,7 +119,7 @@ class RayCluster:
         while True:
             self._raise_if_exited()
             try:
-                with socket.create_connection((self.head_address, self.ports.gcs), timeout=1):
+                with socket.create_connection((self.head_address, self.block.gcs), timeout=1):
                     return
             except OSError:
                 pass
@@ -138,7 +146,7 @@ class RayCluster:
         deadline = time.monotonic() + self.plan.join_timeout_s
         while not ray.is_initialized():
             try:
-                ray.init(address=self.gcs_address, log_to_driver=False, logging_level="WARNING")
+                ray.init(address=self.gcs_address, log_to_driver=False, logging_level=logging.WARNING)
             except ConnectionError as exc:
                 ray.shutdown()
                 self._raise_if_exited()
@@ -223,8 +231,8 @@ def missing_nodes(expected: dict[str, str | None], alive: list[dict], cpus: int,
         else:
             res = by_address[address].get("Resources", {})
             if res.get("CPU", 0) != cpus or res.get("GPU", 0) != gpus:
-                missing.append((node, f"registered with CPU={res.get('CPU', 0)} GPU={res.get('GPU', 0)}, "
-                                      f"expected CPU={cpus} GPU={gpus}"))
+                missing.append((node, (f"registered with CPU={res.get('CPU', 0)} GPU={res.get('GPU', 0)}, "
+                                       f"expected CPU={cpus} GPU={gpus}")))
     return missing
 
 

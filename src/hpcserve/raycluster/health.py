@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psutil
 from rich.console import RenderableType
@@ -291,7 +292,7 @@ def measure_collective(alive, pin, names, gpus_per_node, port, out_dir, timeout_
     if backend == "nccl" and out_dir is not None:
         env = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET", "NCCL_DEBUG_FILE": f"{out_dir}/nccl.%h.%p.log"}
     member_cls = ray.remote(CollectiveMember)
-    members = []
+    members: list[Any] = []  # Ray's handles: Ray's types lack their methods' .remote
     for node in _head_first(alive):
         for _ in range(per_node):
             members.append(member_cls.options(num_cpus=0, num_gpus=1 if gpus_per_node else 0,

@@ -321,7 +321,7 @@ class Sandbox(SandboxLayout):
             info = run(["scontrol", "-o", "show", "node", name], check=False, timeout=10,
                        env=self._client_env()).stdout
             known = re.search(r"SlurmdStartTime=(\d{4}-\S+)", info)
-            return bool(known) and datetime.fromisoformat(known.group(1)).timestamp() >= \
+            return known is not None and datetime.fromisoformat(known.group(1)).timestamp() >= \
                 daemon_start and self.node_state(name) in HEALTHY_STATES
 
         if not wait_for(registered, timeout_s):

@@ -161,7 +161,7 @@ def stop_hosts(root: Path, names: list[str]) -> None:
         leftovers = set(node_pids(root, name)) | set(netns_pids(name)) | set(alive)
         for pid in leftovers:
             send_signal(pid, signal.SIGKILL)
-        wait_for(lambda: not any(pid_alive(p) for p in leftovers), STOP_TIMEOUT_S)
+        wait_for(lambda: not any(pid_alive(p) for p in leftovers), STOP_TIMEOUT_S)  # noqa: B023 - called here only
         (root / "run" / f"{name}.pid").unlink(missing_ok=True)
 
 

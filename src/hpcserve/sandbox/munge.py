@@ -49,7 +49,7 @@ def start_munged(root: Path) -> None:
                 f"--log-file={munge / 'munged.log'}", f"--pid-file={munge / 'munged.pid'}",
                 f"--seed-file={munge / 'munged.seed'}"]
         code = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=out,
-                              stderr=subprocess.STDOUT, timeout=30).returncode
+                              stderr=subprocess.STDOUT, timeout=30, check=False).returncode
     if code != 0:
         raise CommandError(argv, code, log.read_text() + tail(munge / "munged.log"))
     if not wait_for(lambda: munged_pid(root), 10):

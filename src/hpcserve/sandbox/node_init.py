@@ -33,7 +33,7 @@ def log(message: str) -> None:
 
 def mount(*args: str) -> None:
     """Run mount(8); a failure here means the node cannot work, so say exactly what failed."""
-    done = subprocess.run(["mount", *args], capture_output=True, text=True, timeout=10)
+    done = subprocess.run(["mount", *args], capture_output=True, text=True, timeout=10, check=False)
     if done.returncode != 0:
         raise SystemExit(f"mount {' '.join(args)} failed: {done.stdout}{done.stderr}".strip())
 
@@ -110,7 +110,7 @@ def stop_daemon_and_exit(daemon: subprocess.Popen) -> None:
     sys.exit(0)
 
 
-def reap_forever(daemon: subprocess.Popen) -> None:
+def reap_forever(daemon: subprocess.Popen, name: str) -> None:
     """As PID 1 every orphan of the node (slurmstepd, job processes) becomes our child: reap them."""
     while True:
         try:
@@ -119,7 +119,7 @@ def reap_forever(daemon: subprocess.Popen) -> None:
             signal.pause()  # nothing left to reap: sleep until a signal (PEP 475 retries os.wait)
             continue
         if pid == daemon.pid:
-            log(f"daemon {daemon.args[0]} exited ({status:#x}); the node keeps running")
+            log(f"daemon {name} exited ({status:#x}); the node keeps running")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     # PID 1 only receives signals it has a handler for (SIGKILL from the host always works).
     signal.signal(signal.SIGTERM, lambda *_: stop_daemon_and_exit(daemon))
     signal.signal(signal.SIGINT, lambda *_: stop_daemon_and_exit(daemon))
-    reap_forever(daemon)
+    reap_forever(daemon, daemon_argv[0])
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ def run(argv: list[str], *, timeout: float = 30, check: bool = True, env: dict |
     """
     try:
         done = subprocess.run(argv, input=input, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, timeout=timeout, env=env,
+                              text=True, timeout=timeout, env=env, check=False,
                               stdin=None if input is not None else subprocess.DEVNULL)
     except subprocess.TimeoutExpired as exc:
         out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else exc.stdout

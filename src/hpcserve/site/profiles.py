@@ -103,6 +103,8 @@ def container_mounts(cfg: DeploymentConfig, results_dir: Path) -> list[str]:
 
 def apptainer_prefix(site: SiteSpec, mounts: tuple[str, ...] | list[str], gpus: bool) -> list[str]:
     """`apptainer exec [--nv] [--bind a,b] IMAGE` (singularity takes the same options)."""
+    if site.image is None:  # refused by the schema already
+        raise ValueError("site.runtime 'apptainer' needs site.image: the container image to run")
     argv = [site.container_command, "exec"]
     if gpus:
         argv.append("--nv")  # the host's NVIDIA driver libraries and devices inside the container

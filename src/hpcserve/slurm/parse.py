@@ -357,8 +357,8 @@ _ERROR_PATTERNS: tuple[tuple[str, SlurmProblem, str], ...] = (
     (r"accounting storage is disabled", SlurmProblem.ACCOUNTING_DISABLED,
      "this cluster keeps no job accounting (no slurmdbd): finished jobs stay visible only for MinJobAge"),
     (r"requested node configuration is not available", SlurmProblem.NODE_CONFIGURATION,
-     "no node offers what the job asks for: compare cluster.gpus_per_node, cpus_per_node and sbatch_extra "
-     "with `sinfo -o '%P %D %c %m %G %f'`"),
+     ("no node offers what the job asks for: compare cluster.gpus_per_node, cpus_per_node and sbatch_extra "
+     "with `sinfo -o '%P %D %c %m %G %f'`")),
     (r"invalid partition", SlurmProblem.INVALID_PARTITION,
      "cluster.partition names no partition you may use: `sinfo -s` lists them"),
     (r"invalid account", SlurmProblem.INVALID_ACCOUNT,

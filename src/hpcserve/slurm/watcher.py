@@ -29,7 +29,7 @@ DEFAULT_INTERVAL_S = 5.0
 def jobs_to_ask(watched: set[str], known: dict[str, JobInfo | None]) -> list[str]:
     """The jobs one squeue call must ask about: every watched job not known to have finished, nor known
     to be unknown to Slurm (None: no command knows it; asking again would not change that). Pure."""
-    return sorted(j for j in watched if j not in known or (known[j] is not None and not known[j].state.finished))
+    return sorted(j for j in watched if j not in known or ((info := known[j]) is not None and not info.state.finished))
 
 
 def refresh_due(last_call: float | None, now: float, interval_s: float, watched: set[str],

@@ -69,7 +69,6 @@ BAD_PROMPT = "__answer_400__"
 FAILING_PROMPT = "__answer_500__"
 CRASHING_PROMPT = "__crash__"
 CONFIG = web.AppKey("config", dict)
-METRICS = web.AppKey("metrics", object)
 FROZEN = web.AppKey("frozen", asyncio.Event)
 CACHE = web.AppKey("prefix_cache", object)
 BLOCK_TOKENS = 16  # vLLM's default KV block
@@ -115,7 +114,8 @@ class MetricsPage:
 
 def without_families(text: str, names: tuple[str, ...]) -> str:
     """Prometheus text without the HELP/TYPE/sample lines of the named families. Pure."""
-    pattern = re.compile(r"^(# (HELP|TYPE) )?(%s)[ {]" % "|".join(re.escape(n) for n in names))
+    alternatives = "|".join(re.escape(n) for n in names)
+    pattern = re.compile(rf"^(# (HELP|TYPE) )?({alternatives})[ {{]")
     return "".join(line for line in text.splitlines(keepends=True) if not pattern.match(line))
 
 
@@ -201,6 +201,9 @@ def word_ids(words: list[str]) -> list[int]:
 
 # ------------------------------------------------------------------ one stand-in
 
+METRICS = web.AppKey("metrics", MetricsPage)
+
+
 def _authorized(request: web.Request) -> bool:
     """As vLLM checks its key: the Bearer scheme in any case, the token compared as a hash."""
     return request.app[CONFIG]["key_check"].allows(request.headers.get("Authorization"))
@@ -229,7 +232,8 @@ async def _complete(request: web.Request) -> web.StreamResponse:
         return web.json_response({"error": {"message": "engine error", "code": 500}}, status=500)
     if body.get("prompt") == CRASHING_PROMPT:  # received, then the connection is gone: no answer at all
         stats["crashed"] += 1
-        request.transport.abort()
+        if request.transport is not None:  # None: the client has gone already
+            request.transport.abort()
         await asyncio.Event().wait()
     stats["requests"] += 1
     stats["waiting"] += 1

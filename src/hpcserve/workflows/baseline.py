@@ -7,9 +7,9 @@ Writes RESULTS/logs/NAME/baseline/: single.json, multi.json, baseline.md and PNG
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
 
 from hpcserve import api
 from hpcserve.benchmark.bench import BenchOptions, run_benchmark

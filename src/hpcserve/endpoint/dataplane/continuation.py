@@ -22,6 +22,7 @@ request may migrate at all: endpoint/dataplane/migration.py.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from hpcserve.endpoint.dataplane.migration import (
     COMPLETIONS,
@@ -42,8 +43,15 @@ def detokenize_body(request: Request, progress: Progress) -> bytes | None:
     held = request.holdback and progress.text_len > 0
     if not held and progress.anchor[0] == len(progress.ids):
         return None
-    tail = (progress.prompt_ids + progress.ids)[-(DETOKENIZE_TAIL + request.holdback):]
+    tail = (_prompt_ids(progress) + progress.ids)[-(DETOKENIZE_TAIL + request.holdback):]
     return json.dumps({"model": request.model, "tokens": tail}).encode()
+
+
+def _prompt_ids(progress: Progress) -> list[int]:
+    """The prompt's token ids, known once a stream can go on (why_not)."""
+    if progress.prompt_ids is None:
+        raise CannotMigrate("no event was passed on yet")
+    return progress.prompt_ids
 
 
 def start(request: Request, progress: Progress, decoded: str | None = None) -> Continuation:
@@ -97,7 +105,7 @@ class Continuation:
 
     def _body(self) -> bytes:
         request, cut = self.request, self.cut
-        body = {"model": request.model, "prompt": self.progress.prompt_ids + self.progress.ids,
+        body = {"model": request.model, "prompt": _prompt_ids(self.progress) + self.progress.ids,
                 "max_tokens": None if request.limit is None else request.limit - cut,
                 **request.carried, "stream": True, "return_token_ids": True}
         if request.min_tokens:
@@ -159,7 +167,7 @@ class Continuation:
 
     def _usage(self, completion: int, per_chunk: bool) -> dict:
         """Usage in the client's terms: the original prompt, tokens summed over the attempts."""
-        return _usage(len(self.progress.prompt_ids), self.cut + completion,
+        return _usage(len(_prompt_ids(self.progress)), self.cut + completion,
                       per_chunk and self.request.kind is Kind.CHAT)
 
     def _own_usage(self) -> bytes:
@@ -180,12 +188,13 @@ class Continuation:
         p = self.progress
         shown = None if self.request.strip_ids else ids
         if self.request.kind is Kind.CHAT:
-            out_choice = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish}
+            out_choice: dict[str, Any] = {"index": 0, "delta": {"content": text}, "logprobs": None,
+                                          "finish_reason": finish}
             if finish is not None:
                 out_choice["stop_reason"] = stop_reason
             out_choice["token_ids"] = shown
-            out = {"id": p.id, "object": "chat.completion.chunk", "created": p.created, "model": p.model,
-                   "choices": [out_choice]}
+            out: dict[str, Any] = {"id": p.id, "object": "chat.completion.chunk", "created": p.created, "model": p.model,
+                                   "choices": [out_choice]}
         else:
             out_choice = {**choice, "text": text, "finish_reason": finish, "stop_reason": stop_reason,
                           "prompt_token_ids": None, "token_ids": shown}
@@ -198,15 +207,17 @@ class Continuation:
 
 
 def _usage(prompt: int, completion: int, details: bool = False) -> dict:
-    usage = {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
+    usage: dict[str, int | None] = {"prompt_tokens": prompt, "total_tokens": prompt + completion,
+                                    "completion_tokens": completion}
     if details:
         usage["completion_tokens_details"] = None
     return usage
 
 
 def usage_event(request: Request, progress: Progress, usage: dict, fingerprint: str | None = None) -> bytes:
-    data = {"id": progress.id, "object": "chat.completion.chunk" if request.kind is Kind.CHAT else "text_completion",
-            "created": progress.created, "model": progress.model, "choices": [], "usage": usage}
+    data: dict[str, Any] = {"id": progress.id,
+                            "object": "chat.completion.chunk" if request.kind is Kind.CHAT else "text_completion",
+                            "created": progress.created, "model": progress.model, "choices": [], "usage": usage}
     if fingerprint is not None:
         data["system_fingerprint"] = fingerprint
     return _sse(data)

@@ -23,8 +23,8 @@ COUNTERS = (("holds", "Requests held while no backend could take them"),
             ("migrations_refused", "Streams that could not be continued elsewhere (cut, or finished where they were)"),
             ("kv_events", "KV-cache events received from the engines (each worker follows every engine)"),
             ("kv_event_gaps", "Breaks in an engine's KV events (batches lost): that replica's exact index began again"),
-            ("admission_waits", "Requests that waited while prompts in flight took the replicas' KV caches "
-             "(endpoint/dataplane/admission.py)"))
+            ("admission_waits", ("Requests that waited while prompts in flight took the replicas' KV caches "
+             "(endpoint/dataplane/admission.py)")))
 NAMES = {"malformed": "malformed_requests"}
 
 

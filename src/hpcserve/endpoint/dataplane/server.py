@@ -11,6 +11,7 @@ import resource
 import socket
 import struct
 from pathlib import Path
+from typing import Protocol, cast
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
@@ -18,7 +19,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from hpcserve.core.folders import private_dir
 from hpcserve.endpoint.dataplane import wire
-from hpcserve.endpoint.dataplane.metrics import Collector
+from hpcserve.endpoint.dataplane.metrics import Collector, Stats
 from hpcserve.endpoint.dataplane.sse import DONE_MARK
 
 # After a refusal the rest of a request is read and dropped this long (so the client gets the answer, not
@@ -33,11 +34,17 @@ def metrics_response(collector: Collector) -> web.Response:
     return web.Response(body=generate_latest(registry), content_type="text/plain", charset="utf-8")
 
 
+class Plane(Protocol):
+    """What the server reads of the dataplane.DataPlane it serves (not imported here: it imports this module)."""
+
+    stats: Stats
+
+
 class ClientProtocol(RequestHandler):
     """aiohttp's connection handler, with the data plane's own answer to a malformed request (JSON, and
     no log line per bad client: they are counted)."""
 
-    plane: object  # the dataplane.DataPlane it serves (not imported here: it imports this module)
+    plane: Plane
 
     def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
@@ -61,8 +68,9 @@ class Refuse(asyncio.Protocol):
         self.answer = answer
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        transport.write(self.answer)
-        transport.close()
+        stream = cast(asyncio.Transport, transport)  # a TCP connection's
+        stream.write(self.answer)
+        stream.close()
 
 
 class RelayedStream(web.StreamResponse):
@@ -73,7 +81,7 @@ class RelayedStream(web.StreamResponse):
     KEY = "hpcserve.relayed"  # where the request keeps its streamed answer
     whole = False
 
-    async def write(self, data: bytes) -> None:
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
         await super().write(data)
         if DONE_MARK in data:
             self.whole = True

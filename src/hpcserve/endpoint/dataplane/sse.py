@@ -62,7 +62,8 @@ def strip_ids(event: bytes) -> bytes:
     start = event.find(IDS)
     if start < 0:
         return event
-    parts, position = [], 0
+    parts: list[bytes] = []
+    position = 0
     while start >= 0:
         opening = start + len(IDS) - 1
         parts += (event[position:opening], b"null")

@@ -11,8 +11,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 
-from hpcserve.endpoint.dataplane.routing.table import Affinity
 from hpcserve.endpoint.dataplane.routing.prefix_index import prompt_blocks, prompt_text, request_json
+from hpcserve.endpoint.dataplane.routing.table import Affinity
 
 RETRY_AFTER_S = 5  # what a 503 tells clients to wait: about one controller round plus a join
 KEY_HEADERS = ("x-session-id", "x-user-id")  # what vLLM-router's consistent_hash reads, in this order

@@ -41,8 +41,8 @@ import aiohttp
 from aiohttp import web
 
 from hpcserve.core.statuses import Routing
-from hpcserve.endpoint.dataplane.routing.table import Affinity, Backend, RoutingTable, record
 from hpcserve.endpoint.dataplane.metrics import Collector, Stats, merged_backends
+from hpcserve.endpoint.dataplane.routing.table import Affinity, Backend, RoutingTable, record
 from hpcserve.endpoint.dataplane.server import bind_admin_socket, metrics_response, owner_only
 from hpcserve.endpoint.protocol import (
     BACKENDS,
@@ -125,8 +125,8 @@ class Peers:
                 message = sock.recv(DATAGRAM_BYTES)
             except (BlockingIOError, OSError):
                 return
-            url, _, raw = message.partition(b"\n")
-            url = url.decode(errors="replace")
+            head, _, raw = message.partition(b"\n")
+            url = head.decode(errors="replace")
             pool = pool_of(url)
             if pool is not None and len(raw) >= COUNTS.size:  # a backend this worker knows (a PUT apart at most)
                 texts, tokens = COUNTS.unpack_from(raw)
@@ -193,7 +193,7 @@ def supervise(settings, key: str | None, client_socks: list[socket.socket], admi
                 setproctitle.setproctitle(f"{PROCESS_TITLE}-worker {index} --port {settings.port}")
                 uvloop.run(serve(settings, key, client_socks[index], worker_socks[index], paths[index],
                                  Peers(links[index])))
-            except BaseException:  # noqa: BLE001 - a worker never returns into the supervisor's code
+            except BaseException:  # a worker never returns into the supervisor's code
                 log.exception("worker %d failed", index)
                 code = 1
             finally:

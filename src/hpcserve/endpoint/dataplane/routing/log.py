@@ -33,7 +33,8 @@ def seen(pool: RoutingTable, affinity: Affinity, now: float) -> dict[str, list[f
 
 class RoutingLog:
     def __init__(self, path: Path):
-        self.file = open(path, "a", buffering=1)  # line-buffered: one write per line, whole among workers
+        # Open for the process's life; line-buffered: one write per line, whole among workers.
+        self.file = open(path, "a", buffering=1)  # noqa: SIM115
 
     def choose(self, pool: RoutingTable, policy: Routing, affinity: Affinity | None, now: float,
                tried: tuple[Backend, ...] = ()) -> Backend | None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 BLOCK_CHARS = 64  # about vLLM's 16-token block at ~4 characters a token
 MAX_BLOCKS = 2048  # a prompt's first 128 KB is what routing looks at
@@ -98,7 +98,7 @@ class PrefixIndex:
         self.held: dict[str, OrderedDict[int, None]] = {}
         self.limits: dict[str, int] = {}
 
-    def match(self, url: str, blocks: list[int]) -> int:
+    def match(self, url: str, blocks: Sequence[int]) -> int:
         """How many of the leading blocks url holds."""
         held = self.held.get(url)
         if not held:
@@ -114,7 +114,7 @@ class PrefixIndex:
         """How full url's cache is by our count (0 empty, 1 full): where a new prefix has most room."""
         return len(self.held.get(url) or ()) / self.limits.get(url, DEFAULT_BLOCKS)
 
-    def record(self, url: str, blocks: list[int]) -> None:
+    def record(self, url: str, blocks: Sequence[int]) -> None:
         """Blocks sent to url: the most recently used now, the first block most of all (a chain is freed
         from its tail: losing its first block would make the whole chain unmatchable)."""
         if not blocks:

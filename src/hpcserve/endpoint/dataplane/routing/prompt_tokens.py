@@ -91,7 +91,9 @@ class PromptTokenizer:
             return None  # a template of the request's own, or tools: rendered by the engine alone
         conversation = [normalized(m) for m in messages]
         continue_final = bool(data.get("continue_final_message"))
-        kwargs = data.get("chat_template_kwargs") if isinstance(data.get("chat_template_kwargs"), dict) else {}
+        kwargs = data.get("chat_template_kwargs")
+        if not isinstance(kwargs, dict):
+            kwargs = {}
         text = self.template.render(messages=conversation, tools=None, documents=None,
                                     add_generation_prompt=bool(data.get("add_generation_prompt", True))
                                     and not continue_final, **{**self.special, **kwargs})
@@ -147,7 +149,7 @@ def compile_template(source: str):
     """A chat template compiled as transformers compiles it (sandboxed, trim_blocks, lstrip_blocks, its
     tojson, raise_exception and strftime_now; `{% generation %}` blocks rendered as they are)."""
     class Generation(jinja2.ext.Extension):
-        tags = {"generation"}
+        tags = {"generation"}  # noqa: RUF012 - jinja2's Extension declares it so
 
         def parse(self, parser):
             lineno = next(parser.stream).lineno
