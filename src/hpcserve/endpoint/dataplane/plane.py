@@ -334,7 +334,7 @@ class DataPlane:
                     resent += 1
                     self.stats.resends += 1
             finally:
-                room.pool.release(lease.backend)
+                lease.release(room.pool)
 
     def gave_up(self, failed: AttemptFailed) -> Refusal:
         if failed.failure is wire.Failure.TIMEOUT:
