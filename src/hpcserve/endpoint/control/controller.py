@@ -27,7 +27,7 @@ from hpcserve.core.keys import handed_on
 from hpcserve.core.runstate import Decision, RunState, RunStateWriter, StageFailure
 from hpcserve.core.statuses import MemberRole, MemberStatus, RunStatus, Stage
 from hpcserve.deployment.process import Stop
-from hpcserve.deployment.runs import Launcher, Runs, expected_start
+from hpcserve.deployment.runs import Launcher, Runs, SlurmRun, expected_start
 from hpcserve.deployment.watch import StartWatch
 from hpcserve.endpoint.control.decisions import PlaneLoad, leave_reason, replace_failed_launch, served_during
 from hpcserve.endpoint.control.members import (
@@ -193,6 +193,12 @@ class Controller:
 
     def job(self, member: Member) -> JobInfo | None:
         return self.runs.run_of(member.as_record()).info() if member.record.get("job_id") else None
+
+    def queue_position(self, member: Member) -> int | None:
+        if not member.record.get("job_id"):
+            return None
+        run = self.runs.run_of(member.as_record())
+        return run.queue_position() if isinstance(run, SlurmRun) else None
 
     def expected_start(self, layout: Layout, group: int) -> WillRun | None:
         name = f"{self.cfg.name}-m{len(self.members)}"  # as the next launch would name it

@@ -191,12 +191,13 @@ def decide_wake(spec: AutoscaleSpec | None, replicas: int, starting: int, asked:
 
 
 def wake_state(wait_s: float, serving: bool, member: tuple[str, float] | None, job: JobInfo | None,
-               startup_s: float | None, asleep_since: float, now: float) -> Waking:
+               startup_s: float | None, asleep_since: float, now: float, position: int | None = None) -> Waking:
     """Where a model that sleeps stands, for the data plane (PUT /waking). member: the one launching to serve
     (name, launched at), None when none is; job: its Slurm job as Slurm reports it (None: a local process, or
     not known yet); startup_s: the startup measured (job start to serving), None before any. ready_at is
     given only from Slurm's expected start or a measured startup, never guessed: the data plane refuses
-    early only on it. Pure."""
+    early only on it. position: the pending job's place in its partition's queue (SlurmClient.queue_position),
+    None when not known. Pure."""
     if serving:
         return Waking(WakePhase.SERVING, asleep_since, wait_s)
     if member is None:
@@ -205,7 +206,7 @@ def wake_state(wait_s: float, serving: bool, member: tuple[str, float] | None, j
     if job is not None and job.state is JobState.PENDING:
         start = slurm_epoch(job.start_time)
         ready = start + (startup_s or 0.0) if start is not None else None
-        return Waking(WakePhase.QUEUED, launched, wait_s, job.reason, None, ready, name)
+        return Waking(WakePhase.QUEUED, launched, wait_s, job.reason, position, ready, name)
     started = (slurm_epoch(job.start_time) if job is not None else None) or launched
     return Waking(WakePhase.STARTING, started, wait_s, None, None,
                   started + startup_s if startup_s is not None else None, name)

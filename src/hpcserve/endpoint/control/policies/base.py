@@ -51,6 +51,9 @@ class ControlPlane(Protocol):
     def job(self, member: Member) -> JobInfo | None:
         """Its Slurm job as Slurm reports it now (None: no job, or Slurm does not know it)."""
 
+    def queue_position(self, member: Member) -> int | None:
+        """Its pending Slurm job's place among its partition's pending jobs (None: not pending, or no job)."""
+
     def expected_start(self, layout: Layout, group: int) -> WillRun | None:
         """When Slurm would start a member of this shape submitted now (nothing is queued)."""
 

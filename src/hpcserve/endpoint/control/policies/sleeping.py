@@ -5,8 +5,8 @@ decisions.decide_sleep); this policy wakes it and tells the data plane where the
            once, and a replica is launched then (decisions.decide_wake), through the same launch as a
            scale-up; each round also looks at the requests held, so a failed launch is tried again while
            requests wait (up to MAX_FAILED_LAUNCHES in a row, as autoscale)
-    tell   each round, the wake's phase (decisions.wake_state: asleep, queued with Slurm's reason and
-           expected start, engine starting, serving) goes to the data plane when it changed (PUT /waking):
+    tell   each round, the wake's phase (decisions.wake_state: asleep, queued with Slurm's reason,
+           expected start and place in its partition's queue (asked every POSITION_EVERY_S), engine starting, serving) goes to the data plane when it changed (PUT /waking):
            it holds requests up to autoscale.wake_wait_s, sends streams SSE comments, refuses early with 503
            when Slurm expects the replica later, and /v1/models says it
 """
@@ -26,9 +26,11 @@ from hpcserve.endpoint.control.policies.base import ControlPlane
 from hpcserve.endpoint.control.policies.handover import recent_startups
 from hpcserve.endpoint.control.policies.scaling import MAX_FAILED_LAUNCHES
 from hpcserve.endpoint.protocol import Waking
+from hpcserve.slurm.states import JobInfo, JobState
 
 log = logging.getLogger(__name__)
 
+POSITION_EVERY_S = 30.0  # a queued replica's place in Slurm's queue asked this often (one squeue over all pending)
 LISTEN_S = 10.0  # one GET /waking long poll waits this long for a request
 RETRY_S = 1.0  # after the data plane did not answer
 
@@ -40,6 +42,7 @@ class Sleeper:
         self.spec = spec if spec is not None and spec.sleeps else None
         self.asked = -1  # the data plane's count of requests that found no replica, as last read
         self.told: Waking | None = None
+        self.position: tuple[str, float, int | None] | None = None  # (member, asked at, its place in the queue)
         self.asleep_since = time.time()
         self.listener: threading.Thread | None = None
         self.closed = threading.Event()
@@ -104,7 +107,18 @@ class Sleeper:
         startups = recent_startups(ctl.members, None)
         startup_s = max(s.seconds for s in startups[-3:]) if startups else None
         return wake_state(self.spec.wake_wait_s, serving, waking_member(member), job, startup_s,
-                          self.asleep_since, now)
+                          self.asleep_since, now, self.queue_position(ctl, member, job, now))
+
+    def queue_position(self, ctl: ControlPlane, member: Member | None, job: JobInfo | None, now: float) -> int | None:
+        """The queued replica's place among its partition's pending jobs, asked every POSITION_EVERY_S."""
+        if member is None or job is None or job.state is not JobState.PENDING:
+            return None
+        known = self.position
+        if known is not None and known[0] == member.name and now - known[1] < POSITION_EVERY_S:
+            return known[2]
+        position = ctl.queue_position(member)
+        self.position = (member.name, now, position)
+        return position
 
     def told_json(self) -> dict | None:
         return self.told.to_json() if self.told is not None else None
