@@ -18,7 +18,7 @@ from hpcserve.core.statuses import Routing
 from hpcserve.endpoint.control.plane_client import Router
 from hpcserve.endpoint.dataplane import migration as m
 from hpcserve.endpoint.dataplane.successor import wait_limit
-from hpcserve.endpoint.protocol import Waking, WakePhase
+from hpcserve.endpoint.protocol import WakePhase, Waking
 from hpcserve.testing.harness import wait_until
 
 HOLD_S = 4.0

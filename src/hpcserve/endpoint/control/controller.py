@@ -81,7 +81,7 @@ class Controller:
         self.lock = threading.RLock()
         self.pool = Pool(router, api_key, cfg.model.name, TICK_S, self.serving_backends)
         self.autoscaler = Autoscaler(cfg.autoscale)
-        self.sleeper = Sleeper(cfg.autoscale)
+        self.sleeper = Sleeper(cfg.autoscale, cfg.engine.sleep_mode != "off")
         self.policies = [SelfHealing(), self.autoscaler, self.sleeper, Handover(cfg), MigrationNotes(),
                          MemberRequests(run_dir)]
         self.decisions: list[Decision] = []
@@ -193,6 +193,9 @@ class Controller:
 
     def job(self, member: Member) -> JobInfo | None:
         return self.runs.run_of(member.as_record()).info() if member.record.get("job_id") else None
+
+    def put_to_sleep(self, backend: str, why: str) -> bool:
+        return self.sleeper.put_to_sleep(self, backend, why)
 
     def queue_position(self, member: Member) -> int | None:
         if not member.record.get("job_id"):
@@ -374,7 +377,7 @@ class Controller:
             return
         self.last_job_check = time.monotonic()
         for member in self.members:
-            if member.status not in (MemberStatus.SERVING, MemberStatus.DRAINING):
+            if member.status not in (MemberStatus.SERVING, MemberStatus.DRAINING, MemberStatus.SLEEPING):
                 continue
             run = self.runs.run_of(member.as_record())
             if member.record.get("job_id"):

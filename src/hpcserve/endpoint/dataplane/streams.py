@@ -226,7 +226,8 @@ class Stream:
                 waited = True  # its replica must go and none other serves: wait for the next (successor.py)
                 target = await self.wait_for_successor(failed.cause)
                 if target is None:
-                    return await self.gave_up(source)
+                    await self.gave_up()
+                    return None
             if target is None or target in self.tried:
                 reason = "no other replica can take it"
                 break
@@ -283,7 +284,7 @@ class Stream:
             stats.held -= 1
             room.held -= 1
 
-    async def gave_up(self, source: Backend) -> None:
+    async def gave_up(self) -> None:
         """No successor came: the client gets an error event and the end, not a cut."""
         tokens = len(self.current_progress().ids)
         reason = f"no replica joined within {self.wait_limit_s:g} s ({self.wait_source})"
@@ -291,7 +292,6 @@ class Stream:
         self.plane.stats.broken_streams += 1
         await self.response.write(successor.gave_up(self.room.name, tokens, self.wait_limit_s, self.wait_source)
                                   + (b"" if self.done else DONE))
-        return None
 
     def refused(self, cause: str, reason: str | None) -> None:
         self.plane.stats.migrations_refused += 1
