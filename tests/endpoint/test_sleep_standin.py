@@ -85,6 +85,9 @@ def test_an_idle_model_sleeps_and_a_request_wakes_it(endpoint):
     started = time.time()
     sleeping(record, url, 0.0)
     assert "no request in flight or held" in decisions(record, "sleep")[-1].reason
+    # engine.sleep_mode auto: its engine was asked to sleep; the stand-in has no /sleep (404, as vLLM on CPU)
+    wait_until(lambda: decisions(record, "stop"), 10, "the stop decision")
+    assert "its engine cannot sleep" in decisions(record, "stop")[-1].reason
     answer = HTTP.post(f"{url}/v1/completions", json=BODY, headers=HEADERS)
     assert answer.status_code == 200 and answer.json()["choices"][0]["text"], answer.text
     wake = decisions(record, "wake", started)

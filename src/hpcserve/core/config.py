@@ -132,6 +132,14 @@ class EngineSpec(Strict):
     load_format: str = Field("auto", pattern=r"^[a-z0-9_]+$", description="how vLLM reads the weights: auto (the "
                              "fastest loader installed on the nodes, benchmarks/results/gpu.md), or a vLLM "
                              "--load-format such as safetensors, runai_streamer, fastsafetensors, instanttensor")
+    sleep_mode: Literal["auto", "on", "off"] = Field("auto", description="vLLM's sleep mode (--enable-sleep-mode, "
+                                                    "with VLLM_SERVER_DEV_MODE=1 for its /sleep and /wake_up): an "
+                                                    "idle model at zero (autoscale.min 0) then sleeps instead of "
+                                                    "stopping: its job keeps the allocation, the weights go to host "
+                                                    "RAM, GPU memory is freed, and a request wakes it in seconds; "
+                                                    "after autoscale.release_after_s asleep the job ends. auto: on "
+                                                    "with GPUs and autoscale.min 0, off otherwise (vLLM on CPU "
+                                                    "cannot sleep); off: an idle model at zero stops (its job ends)")
     compile_cache: str = Field("auto", description="vLLM's compile cache, shared by every job of the deployment "
                                "and later ones: auto (one folder per model x vLLM version x layout under "
                                "$HPCSERVE_CACHE or ~/.cache/hpcserve), off (vLLM's own default), or a folder "
@@ -235,6 +243,10 @@ class AutoscaleSpec(Strict):
                                "for a replica to wake (a job queued and started, the engine loaded); a stream gets "
                                "SSE comments meanwhile. When Slurm's expected start is later, or the time is up: "
                                "503 with Retry-After and the reason (Slurm's pending reason while queued)")
+
+    release_after_s: float = Field(3600.0, gt=0, description="with min 0 and engines that sleep (engine.sleep_mode): "
+                                   "how long a sleeping replica keeps its allocation (a woken one answers in "
+                                   "seconds) before its job ends; a request after that waits for a new job")
 
     @model_validator(mode="after")
     def _min_le_max(self) -> AutoscaleSpec:
@@ -419,6 +431,9 @@ class DeploymentConfig(Strict):
                              "whose URL this model joins")
         if self.executor == "ray" and self.cluster.gpus_per_node == 0:
             raise ValueError("engine.executor 'ray' needs GPUs (vLLM on CPU refuses it): use 'mp' or set cluster.gpus_per_node")
+        problem = sleep_mode_problem(self.engine.sleep_mode, self.cluster.gpus_per_node, self.autoscale)
+        if problem:
+            raise ValueError(problem)
         return self
 
     def _group_problem(self, group: ReplicaGroup) -> str | None:
@@ -452,9 +467,29 @@ class DeploymentConfig(Strict):
         return self.cluster.gpus_per_node > 0
 
     @property
+    def engine_sleeps(self) -> bool:
+        """The engines start with vLLM's sleep mode: an idle model at zero sleeps instead of stopping."""
+        if self.engine.sleep_mode == "auto":
+            return self.on_gpu and self.autoscale is not None and self.autoscale.sleeps
+        return self.engine.sleep_mode == "on"
+
+    @property
     def hands_over(self) -> bool:
         """Each job gets a successor before its time limit: behind an endpoint on Slurm, unless turned off."""
         return self.cluster.scheduler == "slurm" and self.serve.router and self.serve.handover
+
+
+def sleep_mode_problem(mode: str, gpus_per_node: int, autoscale: AutoscaleSpec | None) -> str | None:
+    """Why engine.sleep_mode does not fit the rest of the config (None: it does). Pure."""
+    if mode != "on":
+        return None
+    if gpus_per_node == 0:
+        return ("engine.sleep_mode 'on' needs GPUs: vLLM on CPU has no sleep mode (an idle model at zero stops "
+                "instead). Use sleep_mode auto or off, or set cluster.gpus_per_node")
+    if autoscale is not None and not autoscale.sleeps:
+        return (f"engine.sleep_mode 'on' is what an idle model at zero does (autoscale.min 0); autoscale.min is "
+                f"{autoscale.min}: set autoscale.min 0 with idle_s, or sleep_mode auto")
+    return None
 
 
 # ---------------------------------------------------------------- loading

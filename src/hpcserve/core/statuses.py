@@ -47,13 +47,14 @@ class MemberStatus(StrEnum):
     LAUNCHING = "launching"
     SERVING = "serving"  # its replicas are in the pool
     DRAINING = "draining"  # out of the pool on purpose; stops once its requests finished
+    SLEEPING = "sleeping"  # out of the pool, its engine asleep in its allocation (engine.sleep_mode): woken on demand
     STOPPING = "stopping"
     GONE = "gone"
     FAILED = "failed"  # never became ready
 
     @property
     def live(self) -> bool:
-        return self in (MemberStatus.LAUNCHING, MemberStatus.SERVING, MemberStatus.DRAINING)
+        return self in (MemberStatus.LAUNCHING, MemberStatus.SERVING, MemberStatus.DRAINING, MemberStatus.SLEEPING)
 
     @property
     def lost(self) -> bool:

@@ -349,6 +349,14 @@ class SlurmRun:
         info = self.info()
         return f"job {self.job_id}: {info.describe() if info else 'unknown to Slurm'}"
 
+    def queue_position(self) -> int | None:
+        """The pending job's place in its partition's queue (1 = next); None when not pending or Slurm did
+        not answer."""
+        try:
+            return self.slurm.queue_position(self.record.job_id)
+        except SlurmError:
+            return None
+
     def queue_line(self) -> str | None:
         """The job's state in one line while Slurm still holds it ("PENDING (Resources)", "RUNNING on ..."),
         else None (finished or unknown)."""

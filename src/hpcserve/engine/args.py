@@ -57,6 +57,8 @@ def engine_argv(cfg: DeploymentConfig, model_path: str, role: EngineRole, python
         argv += ["--middleware", KV_EVENTS_RELAY]  # what its cache holds, for the endpoint (engine.kv_events)
     if not cfg.serve.insecure_no_api_key:
         argv += ["--middleware", KEY_GUARD]  # added last: vLLM makes it the outermost, in front of the relay too
+    if cfg.engine_sleeps:  # POST /sleep and /wake_up (VLLM_SERVER_DEV_MODE=1: engine.replicas): a model at zero
+        argv.append("--enable-sleep-mode")
     if cfg.model.max_model_len:
         argv += ["--max-model-len", str(cfg.model.max_model_len)]
     if cfg.model.quantization:

@@ -50,3 +50,34 @@ def health_ok(base_url: str, timeout_s: float = 2.0) -> bool:
         return httpx.get(f"{base_url}/health", timeout=timeout_s).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+SLEEP_TIMEOUT_S = 120.0  # offloading a large model's weights to host RAM takes a while; so does the way back
+
+
+def engine_sleep(base_url: str, api_key: str | None, level: int = 1, timeout_s: float = SLEEP_TIMEOUT_S) -> bool:
+    """vLLM's POST /sleep?level=1: weights to host RAM, KV cache freed (the process and its allocation stay).
+    True when it sleeps; False when the engine has no sleep mode (404: started without --enable-sleep-mode or
+    VLLM_SERVER_DEV_MODE, or vLLM on CPU) or refused. Raises httpx errors when it does not answer."""
+    response = httpx.post(f"{base_url}/sleep", params={"level": level}, headers=bearer(api_key), timeout=timeout_s)
+    return response.status_code == 200
+
+
+def engine_wake_up(base_url: str, api_key: str | None, timeout_s: float = SLEEP_TIMEOUT_S) -> bool:
+    """vLLM's POST /wake_up: weights back on the GPU, KV cache reallocated. True when it answered awake."""
+    response = httpx.post(f"{base_url}/wake_up", headers=bearer(api_key), timeout=timeout_s)
+    if response.status_code != 200:
+        return False
+    try:
+        return response.json().get("status", "awake") == "awake"
+    except ValueError:
+        return True
+
+
+def engine_is_sleeping(base_url: str, api_key: str | None, timeout_s: float = 5.0) -> bool | None:
+    """vLLM's GET /is_sleeping; None when the engine has no sleep mode (404) or does not answer."""
+    try:
+        response = httpx.get(f"{base_url}/is_sleeping", headers=bearer(api_key), timeout=timeout_s)
+        return bool(response.json().get("is_sleeping")) if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None

@@ -32,6 +32,8 @@ from hpcserve.engine.compile_cache import (
 from hpcserve.engine.host import EngineHost
 from hpcserve.engine.logs import engine_error
 
+SLEEP_ROUTES_ENV = "VLLM_SERVER_DEV_MODE"  # vLLM serves /sleep, /wake_up and /is_sleeping only with it
+
 
 def engine_key(cfg: DeploymentConfig, run_dir: Path) -> str | None:
     """The key every engine requires: the run folder's copy, written before the driver started."""
@@ -167,6 +169,8 @@ class ReplicaSet:
         env.setdefault("VLLM_DP_MASTER_PORT", str(self.master_port + 100 + 40 * shape.index))
         if self.api_key:
             env["VLLM_API_KEY"] = self.api_key
+        if self.cfg.engine_sleeps:  # /sleep, /wake_up, /is_sleeping (vLLM's dev routes, behind engine.guard's key)
+            env[SLEEP_ROUTES_ENV] = "1"
         executor = self.cfg.executor_for(self.layout.workers_per_replica)
         if executor == "ray":
             env["RAY_ADDRESS"] = self.gcs_address

@@ -19,6 +19,7 @@ from pathlib import Path
 from hpcserve.core.errors import HpcserveError, SlurmError, UsageError
 from hpcserve.slurm.parse import (
     SACCT_FORMAT,
+    PENDING_FORMAT,
     SQUEUE_FORMAT,
     SlurmParseError,
     SlurmProblem,
@@ -31,6 +32,7 @@ from hpcserve.slurm.parse import (
     parse_scontrol_jobs,
     parse_squeue,
     parse_test_only,
+    queue_position,
 )
 from hpcserve.slurm.states import JobInfo
 
@@ -139,6 +141,13 @@ class SlurmClient:
             return {}
         argv = ["squeue", "--noheader", "--states=all", f"--jobs={','.join(ids)}", f"--format={SQUEUE_FORMAT}"]
         return {info.job_id: info for info in self._query(argv, parse_squeue) if info.job_id in ids}
+
+    def queue_position(self, job_id: str) -> int | None:
+        """The pending job's place among its partition's pending jobs by priority (1 = next; None when it
+        is not pending). One squeue call over all pending jobs: ask it seldom (sites rate-limit squeue)."""
+        job = checked_job_id(job_id)
+        argv = ["squeue", "--noheader", "--states=PENDING", "--sort=-p,i", f"--format={PENDING_FORMAT}"]
+        return queue_position(self._checked(argv).stdout, job)
 
     def cancel(self, job_id: str, signal: str | None = None, batch_only: bool = False) -> None:
         """Cancel the job, or only send it `signal` (e.g. "TERM") for a graceful stop.

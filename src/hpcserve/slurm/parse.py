@@ -157,6 +157,27 @@ SQUEUE_FIELDS = ("JobID", "State", "Reason", "NodeList", "Start", "End", "TimeLi
 SQUEUE_FORMAT = "%i|%T|%r|%N|%S|%e|%l|%j"
 
 
+PENDING_FORMAT = "%i|%P"  # squeue --states=PENDING --sort=-p,i: job id and partition(s), highest priority first
+
+
+def queue_position(stdout: str, job_id: str) -> int | None:
+    """The job's place (1 = next) among the pending jobs of its partition, from `squeue --noheader
+    --states=PENDING --sort=-p,i --format=PENDING_FORMAT` (every partition's pending jobs, highest priority
+    first). Jobs count when they wait for the same partition (or the same list of partitions) as this one.
+    None when the job is not among them (started, gone, or not pending). Pure."""
+    rows = [line.strip().split("|", 1) for line in stdout.splitlines() if line.strip()]
+    partition = next((row[1] if len(row) > 1 else "" for row in rows if row[0] == job_id), None)
+    if partition is None:
+        return None
+    position = 0
+    for row in rows:
+        if (row[1] if len(row) > 1 else "") == partition:
+            position += 1
+            if row[0] == job_id:
+                return position
+    return None
+
+
 def parse_squeue(stdout: str) -> list[JobInfo]:
     """`squeue --noheader --format=SQUEUE_FORMAT` output, one JobInfo per line (no exit codes)."""
     return [parse_squeue_line(line) for line in stdout.splitlines() if line.strip()]

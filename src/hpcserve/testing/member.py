@@ -7,7 +7,8 @@ It does what the controller reads of a driver: state.json (starting, then ready 
 URL, stopped at the end) and timeline.json, and it serves a stand-in engine (testing.standin) on the
 member's port, on every address of its node, with the endpoint's API key. SIGTERM (the controller's
 orderly stop: scancel --signal=TERM --batch) ends it. The stand-in's speed comes from the deployment's
-engine.env: STANDIN_DELAY_MS (per token) and STANDIN_SLOTS (requests at once, the rest queue).
+engine.env: STANDIN_DELAY_MS (per token) and STANDIN_SLOTS (requests at once, the rest queue); STANDIN_SLEEP=1
+gives it vLLM's sleep routes (/sleep, /wake_up, /is_sleeping), as a GPU engine in sleep mode has.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from hpcserve.deployment.process import process_main
 from hpcserve.testing.standin import MetricsPage, make_app, run_loop
 
 TOKEN_DELAY_ENV, SLOTS_ENV = "STANDIN_DELAY_MS", "STANDIN_SLOTS"
+SLEEP_ENV = "STANDIN_SLEEP"  # "1": the stand-in has vLLM's sleep routes (as a GPU engine in sleep mode)
 
 
 def own_address(bind_host: str) -> str:
@@ -45,7 +47,8 @@ def standin_app(cfg: DeploymentConfig, api_key: str | None) -> web.Application:
     env = cfg.engine.env
     return make_app(cfg.name, token_delay_s=float(env.get(TOKEN_DELAY_ENV, 0)) / 1000, tokens=16,
                     api_key=api_key,
-                    slots=int(env.get(SLOTS_ENV, 1_000_000)), metrics=MetricsPage.load())
+                    slots=int(env.get(SLOTS_ENV, 1_000_000)), metrics=MetricsPage.load(),
+                    sleep_mode=env.get(SLEEP_ENV) == "1")
 
 
 async def serve(cfg: DeploymentConfig, writer: RunStateWriter, api_key: str | None) -> None:

@@ -220,6 +220,10 @@ async def _complete(request: web.Request) -> web.StreamResponse:
     stats = request.app[STATS]
     if not _authorized(request):
         return web.json_response({"error": "Unauthorized"}, status=401)
+    if request.app[CONFIG]["asleep"]:  # a sleeping engine serves nothing until woken
+        stats["refused_asleep"] += 1
+        return web.json_response({"error": {"message": "the engine is sleeping", "type": "ServiceUnavailable",
+                                            "code": 503}}, status=503)
     body = parsed_body(await request.read())
     if body is None:  # as vLLM answers a body it cannot read as a JSON object (its validation error: 400)
         return web.json_response(UNREADABLE_BODY, status=400)
@@ -381,6 +385,29 @@ async def _health(request: web.Request) -> web.Response:
     return web.Response(text="")
 
 
+async def _sleep(request: web.Request) -> web.Response:
+    """vLLM's POST /sleep?level=N (sleep mode, VLLM_SERVER_DEV_MODE=1), behind the key as engine.guard puts it."""
+    if not _authorized(request):
+        return web.json_response({"error": "Unauthorized"}, status=401)
+    request.app[CONFIG]["asleep"] = True
+    request.app[STATS]["sleeps"] += 1
+    return web.json_response({"status": "sleeping", "level": int(request.query.get("level", "1"))})
+
+
+async def _wake_up(request: web.Request) -> web.Response:
+    if not _authorized(request):
+        return web.json_response({"error": "Unauthorized"}, status=401)
+    request.app[CONFIG]["asleep"] = False
+    request.app[STATS]["wakes"] += 1
+    return web.json_response({"status": "awake", "tags": None})
+
+
+async def _is_sleeping(request: web.Request) -> web.Response:
+    if not _authorized(request):
+        return web.json_response({"error": "Unauthorized"}, status=401)
+    return web.json_response({"is_sleeping": request.app[CONFIG]["asleep"]})
+
+
 async def _stats(request: web.Request) -> web.Response:
     return web.json_response(request.app[STATS])
 
@@ -402,7 +429,10 @@ async def _log_unserved(request: web.Request, handler):
 def make_app(name: str, token_delay_s: float = 0.0, tokens: int = 16, api_key: str | None = None,
              slots: int = 1_000_000, metrics: MetricsPage | None = None,
              first_token_delay_s: float = 0.0, end_delay_s: float = 0.0, model: str = "stub",
-             kv_tokens: int = 0, prefill_s_per_token: float = 0.0, seed: int = 0) -> web.Application:
+             kv_tokens: int = 0, prefill_s_per_token: float = 0.0, seed: int = 0,
+             sleep_mode: bool = False) -> web.Application:
+    """sleep_mode: vLLM's sleep routes (POST /sleep, POST /wake_up, GET /is_sleeping), completions refused with
+    503 while asleep; without it they answer 404, as vLLM on CPU or without --enable-sleep-mode does."""
     app = web.Application(middlewares=[_log_unserved])
     app[SLOTS] = asyncio.Semaphore(slots)
     app[FROZEN] = asyncio.Event()
@@ -411,17 +441,20 @@ def make_app(name: str, token_delay_s: float = 0.0, tokens: int = 16, api_key: s
     app[CONFIG] = {"name": name, "token_delay_s": token_delay_s, "tokens": tokens, "api_key": api_key,
                    "slots": slots, "first_token_delay_s": first_token_delay_s, "end_delay_s": end_delay_s,
                    "key_check": KeyCheck(api_key), "model": model, "prefill_s_per_token": prefill_s_per_token,
-                   "rng": random.Random(seed)}
+                   "rng": random.Random(seed), "asleep": False}
     if kv_tokens:
         app[CACHE] = PrefixCache(kv_tokens)
     app.on_response_prepare.append(_name_every_response)
     app[STATS] = {"requests": 0, "waiting": 0, "in_flight": 0, "done": 0, "failed": 0, "crashed": 0, "last_body": None,
-                  "health_reads": 0, "metrics_reads": 0}
+                  "health_reads": 0, "metrics_reads": 0, "sleeps": 0, "wakes": 0, "refused_asleep": 0}
     app.add_routes([web.post("/v1/completions", _complete), web.post("/v1/chat/completions", _complete),
                     web.get("/v1/models", _models), web.get("/health", _health), web.get("/metrics", _metrics),
                     web.get("/stub/stats", _stats), web.post("/tokenize", _token_ids),
                     web.post("/v1/completions/render", _token_ids), web.post("/v1/chat/completions/render", _token_ids),
                     web.post("/reset_prefix_cache", _reset_prefix_cache)])
+    if sleep_mode:
+        app.add_routes([web.post("/sleep", _sleep), web.post("/wake_up", _wake_up),
+                        web.get("/is_sleeping", _is_sleeping)])
     return app
 
 

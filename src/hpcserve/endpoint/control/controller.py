@@ -27,7 +27,7 @@ from hpcserve.core.keys import handed_on
 from hpcserve.core.runstate import Decision, RunState, RunStateWriter, StageFailure
 from hpcserve.core.statuses import MemberRole, MemberStatus, RunStatus, Stage
 from hpcserve.deployment.process import Stop
-from hpcserve.deployment.runs import Launcher, Runs, expected_start
+from hpcserve.deployment.runs import Launcher, Runs, SlurmRun, expected_start
 from hpcserve.deployment.watch import StartWatch
 from hpcserve.endpoint.control.decisions import PlaneLoad, leave_reason, replace_failed_launch, served_during
 from hpcserve.endpoint.control.members import (
@@ -81,7 +81,7 @@ class Controller:
         self.lock = threading.RLock()
         self.pool = Pool(router, api_key, cfg.model.name, TICK_S, self.serving_backends)
         self.autoscaler = Autoscaler(cfg.autoscale)
-        self.sleeper = Sleeper(cfg.autoscale)
+        self.sleeper = Sleeper(cfg.autoscale, cfg.engine.sleep_mode != "off")
         self.policies = [SelfHealing(), self.autoscaler, self.sleeper, Handover(cfg), MigrationNotes(),
                          MemberRequests(run_dir)]
         self.decisions: list[Decision] = []
@@ -193,6 +193,15 @@ class Controller:
 
     def job(self, member: Member) -> JobInfo | None:
         return self.runs.run_of(member.as_record()).info() if member.record.get("job_id") else None
+
+    def put_to_sleep(self, backend: str, why: str) -> bool:
+        return self.sleeper.put_to_sleep(self, backend, why)
+
+    def queue_position(self, member: Member) -> int | None:
+        if not member.record.get("job_id"):
+            return None
+        run = self.runs.run_of(member.as_record())
+        return run.queue_position() if isinstance(run, SlurmRun) else None
 
     def expected_start(self, layout: Layout, group: int) -> WillRun | None:
         name = f"{self.cfg.name}-m{len(self.members)}"  # as the next launch would name it
@@ -368,7 +377,7 @@ class Controller:
             return
         self.last_job_check = time.monotonic()
         for member in self.members:
-            if member.status not in (MemberStatus.SERVING, MemberStatus.DRAINING):
+            if member.status not in (MemberStatus.SERVING, MemberStatus.DRAINING, MemberStatus.SLEEPING):
                 continue
             run = self.runs.run_of(member.as_record())
             if member.record.get("job_id"):

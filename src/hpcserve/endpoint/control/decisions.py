@@ -191,12 +191,13 @@ def decide_wake(spec: AutoscaleSpec | None, replicas: int, starting: int, asked:
 
 
 def wake_state(wait_s: float, serving: bool, member: tuple[str, float] | None, job: JobInfo | None,
-               startup_s: float | None, asleep_since: float, now: float) -> Waking:
+               startup_s: float | None, asleep_since: float, now: float, position: int | None = None) -> Waking:
     """Where a model that sleeps stands, for the data plane (PUT /waking). member: the one launching to serve
     (name, launched at), None when none is; job: its Slurm job as Slurm reports it (None: a local process, or
     not known yet); startup_s: the startup measured (job start to serving), None before any. ready_at is
     given only from Slurm's expected start or a measured startup, never guessed: the data plane refuses
-    early only on it. Pure."""
+    early only on it. position: the pending job's place in its partition's queue (SlurmClient.queue_position),
+    None when not known. Pure."""
     if serving:
         return Waking(WakePhase.SERVING, asleep_since, wait_s)
     if member is None:
@@ -205,10 +206,53 @@ def wake_state(wait_s: float, serving: bool, member: tuple[str, float] | None, j
     if job is not None and job.state is JobState.PENDING:
         start = slurm_epoch(job.start_time)
         ready = start + (startup_s or 0.0) if start is not None else None
-        return Waking(WakePhase.QUEUED, launched, wait_s, job.reason, None, ready, name)
+        return Waking(WakePhase.QUEUED, launched, wait_s, job.reason, position, ready, name)
     started = (slurm_epoch(job.start_time) if job is not None else None) or launched
     return Waking(WakePhase.STARTING, started, wait_s, None, None,
                   started + startup_s if startup_s is not None else None, name)
+
+
+@dataclass(frozen=True)
+class IdleDecision:
+    """What becomes of a model's last replica once it may go (decide_sleep), of a sleeping one, and how a
+    model at zero wakes (engine.sleep_mode: vLLM's sleep keeps the job and frees the GPU memory)."""
+
+    action: Literal["sleep engine", "stop", "release", "hold", "wake up", "launch"]
+    reason: str
+
+
+def decide_idle(tries_sleep: bool, answered: bool | None, why: str) -> IdleDecision:
+    """The last replica goes (why: decide_sleep's reason). tries_sleep: engine.sleep_mode is not off;
+    answered: whether its engine slept when asked (POST /sleep: True; False: it has no sleep mode, as vLLM on
+    CPU or one started without --enable-sleep-mode answers 404; None: not asked yet). Pure."""
+    if not tries_sleep:
+        return IdleDecision("stop", f"{why}; engine.sleep_mode off: its job ends")
+    if answered is None:
+        return IdleDecision("sleep engine", f"{why}; its engine is asked to sleep (engine.sleep_mode): the job keeps "
+                            "its allocation, GPU memory is freed, a request wakes it in seconds")
+    if answered:
+        return IdleDecision("sleep engine", f"{why}; its engine sleeps (weights in host RAM, GPU memory freed, the "
+                            "allocation kept): a request wakes it with POST /wake_up")
+    return IdleDecision("stop", f"{why}; its engine cannot sleep (no /sleep: vLLM on CPU, or started without "
+                        "sleep mode): its job ends instead")
+
+
+def decide_release(release_after_s: float, asleep_for: float) -> IdleDecision:
+    """A sleeping replica keeps its allocation up to autoscale.release_after_s; then its job ends. Pure."""
+    if asleep_for >= release_after_s:
+        return IdleDecision("release", f"asleep {asleep_for:.0f} s (>= autoscale.release_after_s "
+                            f"{release_after_s:g} s): its allocation is released (the job ends); the next "
+                            "request waits for a new job")
+    return IdleDecision("hold", f"asleep {asleep_for:.0f} s, its allocation kept up to {release_after_s:g} s")
+
+
+def decide_wake_how(sleeping: str | None) -> IdleDecision:
+    """A model at zero must wake (decide_wake): the replica sleeping in its allocation, if there is one, is
+    woken (seconds); else a new one is launched (a job queued, the engine loaded). Pure."""
+    if sleeping is not None:
+        return IdleDecision("wake up", f"{sleeping} sleeps in its allocation: woken (POST /wake_up), much faster "
+                            "than a new job")
+    return IdleDecision("launch", "no replica sleeps in an allocation: a new one is launched")
 
 
 def update_idle_since(idle_since: dict[str, float], sample: LoadSample,

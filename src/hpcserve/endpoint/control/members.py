@@ -92,6 +92,8 @@ def member_config(cfg: DeploymentConfig, name: str, slot: int, layout: Layout, r
         spec = cfg.replica_groups[group - 1]
         cluster = spec.cluster(cluster)
         engine = engine.model_copy(update={"args": [*engine.args, *spec.engine_args]})
+    # Its engines sleep as the endpoint's model does (the member has no autoscale of its own to say it)
+    engine = engine.model_copy(update={"sleep_mode": "on" if cfg.engine_sleeps else "off"})
     nodes = sum(shape.nnodes for shape in replica_shapes(layout, slots_per_node(cluster)))
     cluster = cluster.model_copy(update={"nodes": nodes})
     return cfg.model_copy(update={"name": name, "serve": serve, "parallelism": layout, "autoscale": None,

@@ -37,7 +37,8 @@ from hpcserve.raycluster.nodefiles import remove_run_node_folders
 
 CONTROLLER_MODULE = "hpcserve.endpoint.control.process"
 # Members whose job may still hold a replica (a stopping one's job may not have ended yet).
-CHECKED = (MemberStatus.LAUNCHING, MemberStatus.SERVING, MemberStatus.DRAINING, MemberStatus.STOPPING)
+CHECKED = (MemberStatus.LAUNCHING, MemberStatus.SERVING, MemberStatus.DRAINING, MemberStatus.STOPPING,
+           MemberStatus.SLEEPING)
 
 
 def start_endpoint(cfg: DeploymentConfig, prepared: Prepared, results: Path, key: ApiKey, source: str) -> Record:

@@ -231,6 +231,8 @@ class DataPlane:
         target = request.raw_path
         if not target.startswith("/"):  # an absolute URL or '*': this is no forward proxy
             raise Refusal(400, wire.bad_request(f"the request target must be a path, not {target[:100]!r}"), True)
+        if wire.engine_only(target):  # /sleep, /wake_up, /collective_rpc...: the controller's, not a client's
+            raise Refusal(404, wire.not_forwarded(target))
         body = await self.read_body(request)
         if request.method == "GET" and self.rooms.named and target.startswith("/v1/models"):
             return self.list_models(target)
@@ -334,7 +336,7 @@ class DataPlane:
                     resent += 1
                     self.stats.resends += 1
             finally:
-                room.pool.release(lease.backend)
+                lease.release(room.pool)
 
     def gave_up(self, failed: AttemptFailed) -> Refusal:
         if failed.failure is wire.Failure.TIMEOUT:

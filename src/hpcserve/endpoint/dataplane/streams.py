@@ -12,7 +12,9 @@ the client no half event. What caused a migration:
     handover   the controller drains the replica (its job ends, a scale-down, `down --member`): its open
                streams move now instead of being waited out, each at once (Stream.hand_over_now: an
                engine that has stalled, or is busy prefilling others, may send no next chunk for
-               seconds or ever); one that cannot move finishes where it is
+               seconds or ever); one that cannot move finishes where it is. With no other replica
+               serving, it waits for the next to join, as a held request does (successor.py), and
+               continues there; past the wait the client gets an SSE error event, not a cut
 The continuation goes to the replica routing.choose picks among those not yet tried for this request, at
 most settings.migrations times; every migration, and every stream that could not be migrated, is counted
 (/metrics) and listed on the admin socket (GET /migrations: the controller writes them into its decisions).
@@ -30,6 +32,7 @@ import aiohttp
 
 from hpcserve.endpoint.dataplane.routing import choose
 from hpcserve.endpoint.dataplane.routing.table import Backend
+from hpcserve.endpoint.dataplane import successor
 from hpcserve.endpoint.dataplane.continuation import Continuation, detokenize_body, ending, start
 from hpcserve.endpoint.dataplane.migration import CannotMigrate, Record, Request, why_not
 from hpcserve.endpoint.dataplane.sse import (
@@ -58,6 +61,19 @@ class Lease:
     replica is released the moment its streams move, so its drain does not wait for them."""
 
     backend: Backend
+    held: bool = True  # counted in backend.in_flight now (not while a stream waits for a successor)
+
+    def release(self, pool) -> None:
+        """The request no longer counts against its backend (idempotent)."""
+        if self.held:
+            pool.release(self.backend)
+            self.held = False
+
+    def move(self, pool, target: Backend) -> None:
+        self.release(pool)
+        target.in_flight += 1
+        target.requests += 1
+        self.backend, self.held = target, True
 
 
 class Stream:
@@ -78,6 +94,7 @@ class Stream:
         self.stays = False  # handed over but not migratable: finishes where it is
         self.upstream: aiohttp.ClientResponse | None = None  # the engine's response being read; None while moving
         self.leaving = False  # handed over at once: the upstream was closed under the read
+        self.wait_limit_s, self.wait_source = 0.0, ""  # a wait for a successor replica: its limit, what set it
 
     async def run(self, upstream: aiohttp.ClientResponse, chunk: bytes) -> None:
         """Until the client has the whole answer. ConnectionError: cut (the client sees its stream end
@@ -202,8 +219,15 @@ class Stream:
             await self.response.write(ending(self.request, progress))
             return None
         reason = why_not(self.request, progress, self.migrations, self.plane.settings.migrations)
+        waited = False
         while reason is None:
             target = choose(self.room.pool, self.room.policy, None, time.monotonic(), tuple(self.tried))
+            if (target is None or target in self.tried) and failed.cause == "handover" and not waited:
+                waited = True  # its replica must go and none other serves: wait for the next (successor.py)
+                target = await self.wait_for_successor(failed.cause)
+                if target is None:
+                    await self.gave_up()
+                    return None
             if target is None or target in self.tried:
                 reason = "no other replica can take it"
                 break
@@ -222,6 +246,52 @@ class Stream:
             return None
         self.plane.stats.broken_streams += 1
         raise ConnectionError(f"the stream from {source.url} ended ({failed}); not continued elsewhere: {reason}")
+
+    async def wait_for_successor(self, cause: str) -> Backend | None:
+        """A replica of the room that was not tried, once one joins within the limit (successor.wait_limit);
+        None when none did. Meanwhile the stream counts as held, not against the replica that leaves."""
+        room, stats = self.room, self.plane.stats
+        limit_s, self.wait_source = successor.wait_limit(room.hold_s, room.sleep.waking, bool(room.pool.active))
+        self.wait_limit_s = limit_s
+        self.lease.release(room.pool)  # the leaving replica's drain does not wait for this stream
+        start = time.monotonic()
+        until, next_comment = start + limit_s, start
+        stats.holds += 1
+        stats.held += 1
+        room.held += 1
+        if room.sleep.enabled:
+            room.sleep.ask()  # a model at zero wakes for it (GET /waking returns now)
+        try:
+            while not room.closed:
+                now = time.monotonic()
+                target = choose(room.pool, room.policy, None, now, tuple(self.tried))
+                if target is not None and target not in self.tried:
+                    return target
+                if now >= until:
+                    break
+                if now >= next_comment:
+                    await self.response.write(successor.comment(room.name, cause, now - start))
+                    next_comment = now + successor.COMMENT_EVERY_S
+                changed = room.changed
+                try:
+                    async with asyncio.timeout(max(0.0, min(until, next_comment) - now)):
+                        await changed.wait()
+                except TimeoutError:
+                    pass
+            stats.hold_timeouts += 1
+            return None
+        finally:
+            stats.held -= 1
+            room.held -= 1
+
+    async def gave_up(self) -> None:
+        """No successor came: the client gets an error event and the end, not a cut."""
+        tokens = len(self.current_progress().ids)
+        reason = f"no replica joined within {self.wait_limit_s:g} s ({self.wait_source})"
+        self.refused("handover", reason)
+        self.plane.stats.broken_streams += 1
+        await self.response.write(successor.gave_up(self.room.name, tokens, self.wait_limit_s, self.wait_source)
+                                  + (b"" if self.done else DONE))
 
     def refused(self, cause: str, reason: str | None) -> None:
         self.plane.stats.migrations_refused += 1
@@ -248,10 +318,7 @@ class Stream:
                 upstream.close()
             raise
         self.progress, self.continuation, self.backend = attempt, continuation, target
-        self.room.pool.release(self.lease.backend)
-        target.in_flight += 1
-        target.requests += 1
-        self.lease.backend = target
+        self.lease.move(self.room.pool, target)
         self.events = EventSplitter()
         self.migrations += 1
         self.plane.stats.migrations += 1

@@ -32,6 +32,23 @@ def error_body(message: str, kind: str, code: str) -> bytes:
     return json.dumps({"error": {"message": message, "type": kind, "code": code}}).encode()
 
 
+# vLLM's development routes (VLLM_SERVER_DEV_MODE=1, which engine.sleep_mode turns on for /sleep and /wake_up):
+# the controller's to call on an engine, never a client's through the endpoint (with tenants the data plane
+# sends the engines' own key). vllm 0.32's entrypoints/serve/dev/.
+ENGINE_ONLY = frozenset({"/sleep", "/wake_up", "/is_sleeping", "/collective_rpc", "/reset_prefix_cache",
+                         "/reset_mm_cache", "/reset_encoder_cache", "/release_kv_cache_memory", "/server_info"})
+
+
+def engine_only(target: str) -> bool:
+    """Whether a request target is one of vLLM's development routes (not forwarded). Pure."""
+    return target.split("?", 1)[0].rstrip("/") in ENGINE_ONLY
+
+
+def not_forwarded(target: str) -> bytes:
+    return error_body(f"hpcserve endpoint: {target.split('?', 1)[0][:100]} is an engine's development route, not "
+                      "served to clients", "invalid_request_error", "not_found")
+
+
 UNAUTHORIZED = error_body(
     "Missing or wrong API key for this hpcserve endpoint: send the header 'Authorization: Bearer KEY'. The key "
     "is in the file api_key of the deployment's run folder when hpcserve generated it, or in the environment "

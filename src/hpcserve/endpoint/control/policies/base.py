@@ -51,6 +51,13 @@ class ControlPlane(Protocol):
     def job(self, member: Member) -> JobInfo | None:
         """Its Slurm job as Slurm reports it now (None: no job, or Slurm does not know it)."""
 
+    def put_to_sleep(self, backend: str, why: str) -> bool:
+        """The last replica of a model at zero sleeps in its allocation where its engine can (policies.sleeping);
+        False: it is drained and stopped as before."""
+
+    def queue_position(self, member: Member) -> int | None:
+        """Its pending Slurm job's place among its partition's pending jobs (None: not pending, or no job)."""
+
     def expected_start(self, layout: Layout, group: int) -> WillRun | None:
         """When Slurm would start a member of this shape submitted now (nothing is queued)."""
 

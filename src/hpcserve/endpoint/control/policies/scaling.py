@@ -76,7 +76,8 @@ class Autoscaler:
         elif decision.action == "sleep" and decision.backend:
             # Out of the data plane first: a request from now on is held there and wakes the model
             ctl.decide("sleep", decision.reason)
-            ctl.drain(decision.backend, f"asleep: {decision.reason}")
+            if not ctl.put_to_sleep(decision.backend, decision.reason):  # its engine sleeps in its allocation
+                ctl.drain(decision.backend, f"asleep: {decision.reason}")
             history.clear()
 
     def forget(self, url: str) -> None:
