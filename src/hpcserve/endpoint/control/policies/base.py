@@ -29,7 +29,8 @@ class ControlPlane(Protocol):
     lock: threading.RLock
     stop_requested: str | None
 
-    def launch(self, role: MemberRole, layout: Layout, replaces: str | None = None, group: int = 0) -> Member: ...
+    def launch(self, role: MemberRole, layout: Layout, replaces: str | None = None, group: int = 0,
+               burst: bool = False) -> Member: ...
 
     def drain(self, url: str, why: str) -> None: ...
 
@@ -50,6 +51,12 @@ class ControlPlane(Protocol):
 
     def job(self, member: Member) -> JobInfo | None:
         """Its Slurm job as Slurm reports it now (None: no job, or Slurm does not know it)."""
+
+    def job_now(self, member: Member) -> JobInfo | None:
+        """Its Slurm job as scontrol shows it this moment (PreemptTime included); None: no job, or unknown."""
+
+    def placed(self) -> tuple[int, int]:
+        """Replicas serving or starting, not drained on purpose: (main partition, burst partition)."""
 
     def expected_start(self, layout: Layout, group: int) -> WillRun | None:
         """When Slurm would start a member of this shape submitted now (nothing is queued)."""
