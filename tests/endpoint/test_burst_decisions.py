@@ -62,18 +62,18 @@ def job(preempt_time: str | None, end: str = "2026-12-06T08:08:48") -> JobInfo:
 
 
 def test_a_signal_with_slurms_preempt_time_is_a_preemption():
-    decision = decide_preemption("sb-m1", {"signal": "USR1", "time": 100.0}, job("2026-12-06T08:08:43"), now=101.0)
+    decision = decide_preemption("sb-m1", {"signal": "SIGUSR1", "time": 100.0}, job("2026-12-06T08:08:43"), now=101.0)
     assert decision.action == "preempted"
     assert "sb-m1 got SIGUSR1 1 s ago" in decision.reason and "preempted by Slurm at 2026-12-06T08:08:43" in decision.reason
 
 
 def test_a_signal_ahead_of_the_time_limit_is_no_preemption():
-    decision = decide_preemption("sb-m1", {"signal": "USR1", "time": 100.0}, job(None), now=100.0)
+    decision = decide_preemption("sb-m1", {"signal": "SIGUSR1", "time": 100.0}, job(None), now=100.0)
     assert decision.action == "job ending" and "no PreemptTime" in decision.reason
 
 
 def test_a_signalled_job_slurm_no_longer_shows_counts_as_preempted():
-    assert decide_preemption("sb-m1", {"signal": "USR1", "time": 1.0}, None, now=2.0).action == "preempted"
+    assert decide_preemption("sb-m1", {"signal": "SIGUSR1", "time": 1.0}, None, now=2.0).action == "preempted"
 
 
 def test_scontrol_gives_the_preempt_time():

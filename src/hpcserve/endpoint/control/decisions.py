@@ -467,7 +467,7 @@ def decide_preemption(member: str, notice: dict, job: JobInfo | None, now: float
     Slurm set the job's PreemptTime (or does not show the job), "job ending" when the signal came ahead of
     its time limit (the walltime, not a preemption: no replacement here, the handover has one). Either way
     the member is drained at once: Slurm ends the job soon. Pure."""
-    signalled = f"{member} got SIG{notice.get('signal', '?')} {now - float(notice.get('time') or now):.0f} s ago"
+    signalled = f"{member} got {notice.get('signal', 'a signal')} {now - float(notice.get('time') or now):.0f} s ago"
     if job is None:
         return ScaleDecision("preempted", f"{signalled}; Slurm no longer shows its job: taken as preempted, "
                              "drained at once")
