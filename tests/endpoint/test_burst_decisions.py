@@ -1,5 +1,5 @@
 """Burst replicas on a preemptible partition (autoscale.burst): where a replica goes, what a member's
-signal means, and the job a burst member runs. Pure; the real preemption: tests/cluster/test_preemption.py."""
+signal means, and the job a burst member runs. Pure; the real preemption: tests/cluster/test_burst_preemption.py."""
 
 from __future__ import annotations
 
