@@ -180,6 +180,7 @@ def test_a_stream_migrates_only_among_its_own_models_replicas(streaming):
     assert beta_engines.served == []
     moved = alpha.migrations(0)
     assert [(x["to"], x["reason"]) for x in moved] == [(None, "no other replica can take it")]
+    assert alpha.migrations(moved[-1]["time"]) == []  # only those after the time asked (the host's, unscoped, too)
     assert beta.migrations(0) == []
     # With a second replica of its own, the same failure continues there.
     alpha.add(alpha_engines.urls[1])

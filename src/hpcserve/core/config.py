@@ -225,6 +225,25 @@ class ServeSpec(Strict):
                              "other serving (docs/endpoint.md, Many models behind one URL)")
 
 
+class BurstSpec(Strict):
+    """Replicas beyond autoscale.max on a preemptible partition (a scavenger queue): Slurm may take their
+    nodes back for a higher-priority job at any time. Its SIGTERM grace (the partition's GraceTime) is when
+    the replica's streams move to the others and it leaves the pool; a replacement is asked for where there
+    is room (docs/endpoint.md, Burst on preemptible partitions)."""
+
+    partition: str = Field(description="the preemptible partition the burst replicas' jobs go to (--partition)")
+    qos: str | None = Field(None, description="their quality of service (--qos), e.g. a site's scavenger QOS; "
+                            "null: cluster.qos")
+    max: int = Field(1, ge=1, description="burst replicas at most, on top of autoscale.max on the main partition")
+    first: bool = Field(False, description="scale up on the burst partition before the main one (cheap cycles "
+                        "first); false: only once the main partition's replicas reached autoscale.max")
+    signal_s: int = Field(30, ge=1, le=3600, description="the job's --signal=B:USR1@signal_s: before its time "
+                          "limit, and at once when it is preempted (the site's SlurmctldParameters="
+                          "preempt_send_user_signal), the member tells the controller, which drains it. The "
+                          "partition's GraceTime must cover the drain: streams move at once, requests that are "
+                          "not streamed finish where they run (or are sent again)")
+
+
 class AutoscaleSpec(Strict):
     """Replicas follow the load: one Slurm job (or local process) per extra replica, drained and stopped when
     idle. With min 0 the model sleeps: its last replica goes after idle_s without a request, and a request
@@ -243,6 +262,9 @@ class AutoscaleSpec(Strict):
                                "for a replica to wake (a job queued and started, the engine loaded); a stream gets "
                                "SSE comments meanwhile. When Slurm's expected start is later, or the time is up: "
                                "503 with Retry-After and the reason (Slurm's pending reason while queued)")
+    burst: BurstSpec | None = Field(None, description="more replicas on a preemptible partition when the load "
+                                    "rises (beyond max, or first with burst.first); a preempted one hands its "
+                                    "streams over and is replaced where there is room")
 
     release_after_s: float = Field(3600.0, gt=0, description="with min 0 and engines that sleep (engine.sleep_mode): "
                                    "how long a sleeping replica keeps its allocation (a woken one answers in "
@@ -250,8 +272,10 @@ class AutoscaleSpec(Strict):
 
     @model_validator(mode="after")
     def _min_le_max(self) -> AutoscaleSpec:
-        if self.min > self.max:
-            raise ValueError(f"autoscale.min ({self.min}) is larger than autoscale.max ({self.max}): swap them")
+        if self.min > self.total_max:
+            raise ValueError(f"autoscale.min ({self.min}) is larger than autoscale.max ({self.max})"
+                             + (f" + autoscale.burst.max ({self.burst.max})" if self.burst else "")
+                             + ": lower min or raise max")
         if self.min == 0 and self.idle_s is None:
             raise ValueError("autoscale.min 0 lets the model sleep: give autoscale.idle_s, how long it must go "
                              "without a request before its last replica goes (e.g. idle_s: 900)")
@@ -264,6 +288,11 @@ class AutoscaleSpec(Strict):
     def sleeps(self) -> bool:
         """The model goes to zero replicas when idle (min 0)."""
         return self.min == 0
+
+    @property
+    def total_max(self) -> int:
+        """Replicas at most, the burst partition's included."""
+        return self.max + (self.burst.max if self.burst else 0)
 
 
 class SiteSpec(Strict):
@@ -409,6 +438,9 @@ class DeploymentConfig(Strict):
         if self.site.runtime != "venv" and self.cluster.scheduler == "local":
             raise ValueError(f"site.runtime '{self.site.runtime}' wraps Slurm job steps; scheduler 'local' runs "
                              "outside any container: set cluster.scheduler: slurm or site.runtime: venv")
+        problem = self._burst_problem()
+        if problem:
+            raise ValueError(problem)
         if self.autoscale and not self.serve.router:
             raise ValueError("autoscale adds and removes replicas (Slurm jobs or local processes) behind the "
                              "endpoint: it needs serve.router true (or remove autoscale)")
@@ -435,6 +467,19 @@ class DeploymentConfig(Strict):
         if problem:
             raise ValueError(problem)
         return self
+
+    def _burst_problem(self) -> str | None:
+        burst = self.autoscale.burst if self.autoscale else None
+        if burst is None:
+            return None
+        if self.cluster.scheduler != "slurm":
+            return ("autoscale.burst places replicas on a preemptible Slurm partition: it needs cluster.scheduler "
+                    "slurm (or remove autoscale.burst)")
+        if burst.partition == self.cluster.partition and burst.qos in (None, self.cluster.qos):
+            return (f"autoscale.burst.partition '{burst.partition}' is cluster.partition, with the same QOS: "
+                    "burst replicas would be ordinary ones. Name the preemptible partition (e.g. scavenger), "
+                    "or raise autoscale.max instead")
+        return None
 
     def _group_problem(self, group: ReplicaGroup) -> str | None:
         if not self.serve.router:

@@ -36,6 +36,12 @@ class RunPaths:
         return self.root / "state.json"
 
     @property
+    def notice(self) -> Path:
+        """A member's word to its controller: the signal its job got from Slurm (--signal: preempted, or
+        its time limit near) and when (deployment.process.write_notice)."""
+        return self.root / "notice.json"
+
+    @property
     def timeline(self) -> Path:
         """One timestamp per stage."""
         return self.root / "timeline.json"

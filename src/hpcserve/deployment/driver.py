@@ -29,7 +29,7 @@ from hpcserve.core.folders import private_dir
 from hpcserve.core.paths import RunPaths
 from hpcserve.core.runstate import RunStateWriter
 from hpcserve.core.statuses import RunStatus, Stage
-from hpcserve.deployment.process import install_stop_handlers, process_main, run_to_end
+from hpcserve.deployment.process import install_notice_handler, install_stop_handlers, process_main, run_to_end
 from hpcserve.deployment.runs import CHECK_ONLY_ENV
 from hpcserve.engine.client import READY_PROMPT
 from hpcserve.engine.load_format import choose, load_format_args
@@ -68,6 +68,7 @@ def run(run_dir: Path) -> int:
     own_log = paths.driver_log if cfg.cluster.scheduler == "local" else paths.slurm_out
     parts = Deployment()
     install_stop_handlers()
+    install_notice_handler(run_dir)
     return run_to_end(writer, lambda: serve(cfg, parts, run_dir, writer), lambda: teardown(parts), own_log,
                       Stage.RAY)
 
@@ -77,6 +78,7 @@ def serve(cfg: DeploymentConfig, parts: Deployment, run_dir: Path, writer: RunSt
     os.environ.update(cfg.engine.env)  # reaches every node's Ray, hence every engine worker
     start_ray(cfg, parts, run_dir, writer)
     install_stop_handlers()  # ray.init replaced them with handlers that only log and die
+    install_notice_handler(run_dir)
     parts.samplers = start_samplers(run_dir)
     check_only = bool(os.environ.get(CHECK_ONLY_ENV))
     # The engines' load (tens of seconds to minutes) starts as soon as the checks that need the

@@ -8,12 +8,15 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 from hpcserve.core.errors import HpcserveError, StageError
 from hpcserve.core.logs import configure_process_logging
+from hpcserve.core.files import write_json
 from hpcserve.core.osenv import PRIVATE_UMASK
+from hpcserve.core.paths import RunPaths
 from hpcserve.core.runstate import RunStateWriter
 from hpcserve.core.statuses import RunStatus, Stage
 
@@ -31,6 +34,18 @@ def raise_stop(signum, _frame) -> None:
 def install_stop_handlers(handler=raise_stop) -> None:
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
+
+
+def write_notice(run_dir: Path, signum: int) -> None:
+    """The signal Slurm sent the job (its --signal=B:USR1: preempted, or its time limit near), for the
+    controller (RunPaths.notice), which drains the member at once. Written whole."""
+    write_json(RunPaths(run_dir).notice, {"signal": signal.Signals(signum).name, "time": time.time()})
+
+
+def install_notice_handler(run_dir: Path) -> None:
+    """SIGUSR1 (the member's --signal) is written down, not a stop: the member serves on while it is
+    drained, and Slurm ends the job at the end of its grace time."""
+    signal.signal(signal.SIGUSR1, lambda signum, _frame: write_notice(run_dir, signum))
 
 
 def run_to_end(writer: RunStateWriter, body: Callable[[], None], teardown: Callable[[], None],

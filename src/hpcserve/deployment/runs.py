@@ -90,6 +90,11 @@ class Run(Protocol):
 
     def info(self) -> JobInfo | None: ...
 
+    def info_now(self) -> JobInfo | None:
+        """The job as Slurm shows it at this moment, asked alone (not through the shared watcher), with
+        its PreemptTime; None where there is no Slurm job."""
+        ...
+
 
 class Launcher(Protocol):
     """How an endpoint's members are started and found again. Runs is the product's; tests and
@@ -265,6 +270,9 @@ class LocalRun:
         """No Slurm job."""
         return None
 
+    def info_now(self) -> JobInfo | None:
+        return None
+
     def stop(self, timeout_s: float = 90.0, grace_s: float = 0.0) -> list[int]:
         """SIGTERM (the driver stops engines, then Ray, in order); whatever the orderly stop missed is
         killed by the PIDs recorded before. Returns PIDs still alive afterwards, which should be none.
@@ -335,6 +343,12 @@ class SlurmRun:
             return self.jobs.info(self.job_id)
         try:
             return self.slurm.job(self.job_id)
+        except SlurmError:
+            return None
+
+    def info_now(self) -> JobInfo | None:
+        try:
+            return self.slurm.job_now(self.record.job_id)
         except SlurmError:
             return None
 

@@ -127,6 +127,11 @@ class SlurmClient:
             raise SlurmJobNotFound(job_id, said)
         return found
 
+    def job_now(self, job_id: str) -> JobInfo | None:
+        """The job as scontrol shows it now (PreemptTime included, which squeue does not print), None when
+        scontrol no longer knows it. One call: for a moment that needs it, not for polling."""
+        return self._from_scontrol(checked_job_id(job_id), [])
+
     def release(self, job_id: str) -> None:
         """Let a job submitted with hold=True start."""
         self._checked(["scontrol", "release", checked_job_id(job_id)])

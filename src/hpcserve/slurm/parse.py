@@ -241,6 +241,7 @@ def scontrol_job_info(fields: dict[str, str]) -> JobInfo:
         time_limit=normalise_time_limit(fields.get("TimeLimit", "")),
         name=fields.get("JobName", ""),
         source="scontrol",
+        preempt_time=optional(fields.get("PreemptTime", "")),
     )
 
 

@@ -89,6 +89,7 @@ class JobInfo:
     time_limit: str | None = None
     name: str = ""
     source: str = ""
+    preempt_time: str | None = None  # when Slurm preempted it (scontrol's PreemptTime; squeue does not say)
 
     def describe(self) -> str:
         """One line a user can act on, e.g. "PENDING (Resources)", "FAILED, exit code 1:0"."""

@@ -28,7 +28,7 @@ from hpcserve.core.keys import read_api_key
 from hpcserve.core.paths import RunPaths
 from hpcserve.core.runstate import RunStateWriter
 from hpcserve.core.statuses import RunStatus, Stage
-from hpcserve.deployment.process import process_main
+from hpcserve.deployment.process import process_main, write_notice
 from hpcserve.testing.standin import MetricsPage, make_app, run_loop
 
 TOKEN_DELAY_ENV, SLOTS_ENV = "STANDIN_DELAY_MS", "STANDIN_SLOTS"
@@ -63,6 +63,8 @@ async def serve(cfg: DeploymentConfig, writer: RunStateWriter, api_key: str | No
     stopped = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stopped.set)
+    # Slurm's --signal (preempted, or the time limit near): told to the controller, serving on
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, write_notice, writer.run_dir, signal.SIGUSR1)
     await stopped.wait()
     writer.update(status=RunStatus.STOPPING, stop_reason="SIGTERM")
     await runner.cleanup()

@@ -124,3 +124,6 @@ class StandinRun:
 
     def info(self) -> JobInfo | None:
         return None
+
+    def info_now(self) -> JobInfo | None:
+        return None

@@ -85,9 +85,10 @@ def completion_body(name: str, chat: bool, text: str, tokens: int) -> dict:
             "usage": {"prompt_tokens": 1, "completion_tokens": tokens, "total_tokens": tokens + 1}}
 
 
-def chunk_line(name: str, chat: bool, text: str) -> bytes:
-    """One SSE `data:` event carrying one token. Pure."""
-    choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
+def chunk_line(name: str, chat: bool, text: str, ids: dict | None = None) -> bytes:
+    """One SSE `data:` event carrying one token; ids: a completion's token ids as vLLM sends them with
+    return_token_ids ({"prompt_token_ids": [...] or None, "token_ids": [...]}). Pure."""
+    choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text, **(ids or {})}
     body = {"id": "cmpl-stub", "object": "chat.completion.chunk" if chat else "text_completion",
             "model": "stub", "system_fingerprint": name, "choices": [choice]}
     return b"data: " + json.dumps(body).encode() + b"\n\n"
@@ -317,12 +318,15 @@ async def _answer(request: web.Request, body: dict, chat: bool) -> web.StreamRes
         await response.prepare(request)
         if answer.first_delay_s:
             await asyncio.sleep(answer.first_delay_s)
+        prompt_ids = prompt_token_ids(body) if body.get("return_token_ids") and not chat else None
         first_at = None
-        for piece in answer.pieces:
+        for number, piece in enumerate(answer.pieces):
             if delay:
                 await asyncio.sleep(delay)
             first_at = first_at or time.perf_counter()
-            await response.write(chunk_line(name, chat, piece))
+            ids = None if prompt_ids is None else {"prompt_token_ids": None if number else prompt_ids,
+                                                   "token_ids": [TOKEN_ID]}
+            await response.write(chunk_line(name, chat, piece, ids))
         if (body.get("stream_options") or {}).get("include_usage"):
             usage = {"id": "cmpl-stub", "model": config["model"], "choices": [], "usage": answer.usage}
             await response.write(b"data: " + json.dumps(usage).encode() + b"\n\n")
@@ -335,6 +339,18 @@ async def _answer(request: web.Request, body: dict, chat: bool) -> web.StreamRes
     finally:
         stats["in_flight"] -= 1
         stats["done"] += 1
+
+
+TOKEN_ID = 120  # "x", the one token a stand-in generates
+
+
+def prompt_token_ids(body: dict) -> list[int]:
+    """A completion's prompt as token ids: as given (a continuation after a migration sends ids), else
+    the prompt's UTF-8 bytes (a stand-in's tokenizer). Pure."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return prompt
+    return list(str(prompt or "").encode())
 
 
 async def _models(request: web.Request) -> web.Response:

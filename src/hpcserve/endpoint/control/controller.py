@@ -42,6 +42,7 @@ from hpcserve.endpoint.control.plane_client import Router, RouterError
 from hpcserve.endpoint.control.policies.handover import Handover
 from hpcserve.endpoint.control.policies.member_requests import MemberRequests
 from hpcserve.endpoint.control.policies.migration_notes import MigrationNotes
+from hpcserve.endpoint.control.policies.preemption import Preemption
 from hpcserve.endpoint.control.policies.scaling import Autoscaler, SelfHealing
 from hpcserve.endpoint.control.policies.sleeping import Sleeper
 from hpcserve.endpoint.control.pool import ROTATION_S, Pool
@@ -83,7 +84,7 @@ class Controller:
         self.autoscaler = Autoscaler(cfg.autoscale)
         self.sleeper = Sleeper(cfg.autoscale, cfg.engine.sleep_mode != "off")
         self.policies = [SelfHealing(), self.autoscaler, self.sleeper, Handover(cfg), MigrationNotes(),
-                         MemberRequests(run_dir)]
+                         MemberRequests(run_dir), Preemption(cfg.autoscale)]
         self.decisions: list[Decision] = []
         self.failed_launches = 0  # members in a row that never became ready
         self.forwarded = 0
@@ -101,17 +102,21 @@ class Controller:
         self.rounds = 0
 
     # ------------------------------------------------------------ members
-    def launch(self, role: MemberRole, layout: Layout, replaces: str | None = None, group: int = 0) -> Member:
+    def launch(self, role: MemberRole, layout: Layout, replaces: str | None = None, group: int = 0,
+               burst: bool = False) -> Member:
+        """burst: on autoscale.burst's preemptible partition."""
         slot = free_slot(self.members)
         name = f"{self.cfg.name}-m{len(self.members)}"
         results = self.run_dir / "members"
-        member_cfg = member_config(self.cfg, name, slot, layout, results, group)
+        member_cfg = member_config(self.cfg, name, slot, layout, results, group, burst)
         (results / "logs").mkdir(parents=True, exist_ok=True)
         record = self.runs.launch(member_cfg, results, handed_on(self.run_dir, self.api_key), {})  # a 0600 key copy
-        member = Member(name, slot, role, layout.model_dump(), record.to_dict(), replaces=replaces, group=group)
+        member = Member(name, slot, role, layout.model_dump(), record.to_dict(), replaces=replaces, group=group,
+                        burst=burst)
         self.members.append(member)
         self.watches[name] = StartWatch(record, check_every_s=JOB_CHECK_EVERY_S, run_of=self.runs.run_of)
         self.decide(f"launch {role}", f"{name} ({record.job_id and 'job ' + record.job_id or 'local driver'})"
+                    + (f" on burst partition {member_cfg.cluster.partition}" if burst else "")
                     + (f", replacing {replaces}" if replaces else ""))
         return member
 
@@ -190,6 +195,17 @@ class Controller:
 
     def base_layout(self) -> Layout:
         return Layout(**self.members[0].layout)
+
+    def job_now(self, member: Member) -> JobInfo | None:
+        """Its job as Slurm shows it this moment (one scontrol: for a preemption, not for polling)."""
+        run = self.runs.run_of(member.as_record())
+        return run.info_now() if member.record.get("job_id") and hasattr(run, "info_now") else None
+
+    def placed(self) -> tuple[int, int]:
+        """Replicas serving or starting, not drained on purpose: (on the main partition, on the burst one)."""
+        live = [m for m in self.members if m.status in (MemberStatus.LAUNCHING, MemberStatus.SERVING)
+                and not m.retired]
+        return sum(1 for m in live if not m.burst), sum(1 for m in live if m.burst)
 
     def job(self, member: Member) -> JobInfo | None:
         return self.runs.run_of(member.as_record()).info() if member.record.get("job_id") else None

@@ -145,9 +145,10 @@ def decide_scale(spec: AutoscaleSpec, history: list[LoadSample], replicas: int, 
     covered = bool(history) and history[0].time <= now - spec.scale_up_after_s
     if covered and window and all(s.waiting_per_replica() > spec.target_queue for s in window):
         queue = min(s.waiting_per_replica() for s in window)
-        if total >= spec.max:
+        if total >= spec.total_max:
             return ScaleDecision("hold", f"{queue:.1f} waiting per replica > target {spec.target_queue:g}, "
-                                 f"but already at autoscale.max {spec.max}")
+                                 f"but already at autoscale.max {spec.max}"
+                                 + (f" + burst.max {spec.burst.max}" if spec.burst else ""))
         return ScaleDecision("up", f"at least {queue:.1f} requests waiting per replica for {spec.scale_up_after_s:g} s "
                              f"(target {spec.target_queue:g})")
     last = replicas == 1 and spec.sleeps  # the last replica of a model that sleeps: idle_s, not scale_down_after_s
@@ -468,3 +469,56 @@ def backend_changes(in_router: list[str], wanted: list[str]) -> tuple[list[str],
     it did not put there (or no longer wants) leaves, and every one it wants is there."""
     have, want = {u.rstrip("/") for u in in_router}, {u.rstrip("/") for u in wanted}
     return sorted(have - want), sorted(want - have)
+
+
+# ------------------------------------------------------------------ burst (preemptible partitions)
+#
+# autoscale.burst adds replicas on a preemptible partition: beyond autoscale.max on the main one (or before
+# it, burst.first). Slurm may take such a job's nodes back at any time: with --signal=B:USR1@N (and the
+# site's preempt_send_user_signal) the member gets USR1 at once, writes a notice, and the controller drains
+# it (its streams move to the others) within the partition's GraceTime, then asks for a replacement.
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one more replica goes, and why (for the decision log)."""
+
+    burst: bool
+    reason: str
+
+
+def place_replica(spec: AutoscaleSpec, base: int, burst: int, replacing_preempted: bool = False) -> Placement | None:
+    """base, burst: replicas serving or starting on the main partition and on the burst one. A scale-up goes
+    to the main partition while it is below autoscale.max (the burst one first with burst.first); a
+    preempted replica's replacement to the main partition where there is room, else to the burst one again.
+    None: no room on either. Pure."""
+    extra = spec.burst
+    main_room, burst_room = base < spec.max, extra is not None and burst < extra.max
+    if extra is not None and extra.first and burst_room and not replacing_preempted:
+        return Placement(True, f"on burst partition {extra.partition} first (autoscale.burst.first; "
+                         f"{burst}/{extra.max} there)")
+    if main_room:
+        return Placement(False, f"on the main partition ({base}/{spec.max} there"
+                         + (", room before the burst partition)" if extra is not None else ")"))
+    if burst_room:
+        return Placement(True, f"on burst partition {extra.partition}: the main partition is at autoscale.max "
+                         f"{spec.max} ({burst}/{extra.max} burst replicas)")
+    return None
+
+
+def decide_preemption(member: str, notice: dict, job: JobInfo | None, now: float) -> ScaleDecision:
+    """A burst member's job got its --signal (notice: {"signal", "time"} from the member). "preempted" when
+    Slurm set the job's PreemptTime (or does not show the job), "job ending" when the signal came ahead of
+    its time limit (the walltime, not a preemption: no replacement here, the handover has one). Either way
+    the member is drained at once: Slurm ends the job soon. Pure."""
+    signalled = f"{member} got {notice.get('signal', 'a signal')} {now - float(notice.get('time') or now):.0f} s ago"
+    if job is None:
+        return ScaleDecision("preempted", f"{signalled}; Slurm no longer shows its job: taken as preempted, "
+                             "drained at once")
+    ends = slurm_epoch(job.end_time)
+    left = f", {ends - now:.0f} s left before Slurm ends it" if ends is not None else ""
+    if job.preempt_time is not None:
+        return ScaleDecision("preempted", f"{signalled}: job {job.job_id} preempted by Slurm at {job.preempt_time}"
+                             f"{left} (the partition's GraceTime): drained at once, its streams move to the others")
+    return ScaleDecision("job ending", f"{signalled}: job {job.job_id} not preempted (no PreemptTime), its time "
+                         f"limit is near{left}: drained at once")

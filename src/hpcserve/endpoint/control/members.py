@@ -13,8 +13,10 @@ import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from hpcserve.core.config import DeploymentConfig, Layout
+from hpcserve.core.config import BurstSpec, ClusterSpec, DeploymentConfig, Layout
 from hpcserve.core.config_checks import slots_per_node
+from hpcserve.core.files import read_json
+from hpcserve.core.paths import RunPaths
 from hpcserve.core.registry import Record
 from hpcserve.core.runstate import RunState, read_timeline
 from hpcserve.core.statuses import MemberRole, MemberStatus
@@ -47,6 +49,11 @@ class Member:
     retired: bool = False  # drained on purpose (scaled down, handed over): not replaced
     end_time: str | None = None  # Slurm's EndTime of its job (the time limit), for the handover
     group: int = 0  # 0: parallelism's shape; k: replica_groups[k - 1]
+    burst: bool = False  # on autoscale.burst's preemptible partition
+
+    def notice(self) -> dict | None:
+        """What its job told the controller (deployment.process.write_notice), None before anything."""
+        return read_json(RunPaths(self.run_dir).notice)
 
     def __post_init__(self) -> None:
         self.role, self.status = MemberRole(self.role), MemberStatus(self.status)
@@ -79,7 +86,7 @@ MEMBER_FIELDS = tuple(f.name for f in fields(Member))
 
 
 def member_config(cfg: DeploymentConfig, name: str, slot: int, layout: Layout, results_dir: Path,
-                  group: int = 0) -> DeploymentConfig:
+                  group: int = 0, burst: bool = False) -> DeploymentConfig:
     """The deployment a member runs: the endpoint's (changed as its replica group says), with its own
     name, ports and results folder, and no router, join, autoscaler or groups of its own. On Slurm its engines
     listen on every address of their node (the router on the submit host must reach them); the API key
@@ -94,11 +101,21 @@ def member_config(cfg: DeploymentConfig, name: str, slot: int, layout: Layout, r
         engine = engine.model_copy(update={"args": [*engine.args, *spec.engine_args]})
     # Its engines sleep as the endpoint's model does (the member has no autoscale of its own to say it)
     engine = engine.model_copy(update={"sleep_mode": "on" if cfg.engine_sleeps else "off"})
+    if burst and cfg.autoscale and cfg.autoscale.burst:
+        cluster = burst_cluster(cluster, cfg.autoscale.burst)
     nodes = sum(shape.nnodes for shape in replica_shapes(layout, slots_per_node(cluster)))
     cluster = cluster.model_copy(update={"nodes": nodes})
     return cfg.model_copy(update={"name": name, "serve": serve, "parallelism": layout, "autoscale": None,
                                   "replica_groups": [], "cluster": cluster, "engine": engine,
                                   "results_dir": str(results_dir)})
+
+
+def burst_cluster(cluster: ClusterSpec, burst: BurstSpec) -> ClusterSpec:
+    """A burst member's job: on the preemptible partition (and QOS), with a signal to its batch script (the
+    member itself) at preemption and ahead of its time limit, which it tells the controller."""
+    return cluster.model_copy(update={
+        "partition": burst.partition, "qos": burst.qos or cluster.qos,
+        "sbatch_extra": [*cluster.sbatch_extra, f"--signal=B:USR1@{burst.signal_s}"]})
 
 
 def member_capacity(cfg: DeploymentConfig, group: int) -> int:

@@ -356,7 +356,7 @@ class Router:
     def migrations(self, after: float) -> list[dict]:
         """Streams the data plane moved to another replica (or could not) since `after` (epoch seconds): the
         JSON of each protocol.Migration (Migration.from_json reads one)."""
-        return self._admin_call("GET", f"{MIGRATIONS}?after={after!r}").json().get("migrations", [])
+        return self._admin_call("GET", MIGRATIONS, params={"after": repr(after)}).json().get("migrations", [])
 
     def set_saturated(self, urls: Iterable[str]) -> None:
         """The backends whose engine queues requests (or whose KV cache is full) now: the data plane skips
@@ -408,9 +408,11 @@ class Router:
         with self._lock:
             self._admin_call("PUT", BACKENDS, json=DesiredBackends(list(self._desired.values())).to_json())
 
-    def _admin_call(self, method: str, path: str, **kwargs) -> httpx.Response:
+    def _admin_call(self, method: str, path: str, params: dict | None = None, **kwargs) -> httpx.Response:
+        """params: the query, besides the model scope (httpx replaces a query written into the path by
+        params, even empty ones: GET /migrations?after=T lost its T and answered every migration each round)."""
         try:
-            response = self._admin.request(method, path, params=self._scope, **kwargs)
+            response = self._admin.request(method, path, params={**self._scope, **(params or {})}, **kwargs)
         except httpx.HTTPError as exc:
             raise RouterError(f"the router's admin socket {self.admin_socket} did not answer {method} {path}: "
                               f"{exc}") from exc

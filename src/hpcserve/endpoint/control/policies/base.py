@@ -29,7 +29,8 @@ class ControlPlane(Protocol):
     lock: threading.RLock
     stop_requested: str | None
 
-    def launch(self, role: MemberRole, layout: Layout, replaces: str | None = None, group: int = 0) -> Member: ...
+    def launch(self, role: MemberRole, layout: Layout, replaces: str | None = None, group: int = 0,
+               burst: bool = False) -> Member: ...
 
     def drain(self, url: str, why: str) -> None: ...
 
@@ -57,6 +58,12 @@ class ControlPlane(Protocol):
 
     def queue_position(self, member: Member) -> int | None:
         """Its pending Slurm job's place among its partition's pending jobs (None: not pending, or no job)."""
+
+    def job_now(self, member: Member) -> JobInfo | None:
+        """Its Slurm job as scontrol shows it this moment (PreemptTime included); None: no job, or unknown."""
+
+    def placed(self) -> tuple[int, int]:
+        """Replicas serving or starting, not drained on purpose: (main partition, burst partition)."""
 
     def expected_start(self, layout: Layout, group: int) -> WillRun | None:
         """When Slurm would start a member of this shape submitted now (nothing is queued)."""

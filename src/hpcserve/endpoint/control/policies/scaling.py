@@ -10,7 +10,7 @@ import time
 
 from hpcserve.core.config import AutoscaleSpec, Layout
 from hpcserve.core.statuses import MemberRole, MemberStatus
-from hpcserve.endpoint.control.decisions import LAUNCHES_PER_ROUND, decide_scale, update_idle_since
+from hpcserve.endpoint.control.decisions import LAUNCHES_PER_ROUND, decide_scale, place_replica, update_idle_since
 from hpcserve.endpoint.control.members import single_replica
 from hpcserve.endpoint.control.policies.base import ControlPlane
 
@@ -32,7 +32,8 @@ class SelfHealing:
                 ctl.decide("give up", f"{ctl.failed_launches} launches in a row never became ready: "
                            f"not replacing {member.name}; see its error in `hpcserve status`")
                 continue
-            successor = ctl.launch(MemberRole.REPLACEMENT, Layout(**member.layout), member.name, member.group)
+            successor = ctl.launch(MemberRole.REPLACEMENT, Layout(**member.layout), member.name, member.group,
+                                   member.burst)  # where the lost one was (a preempted one: policies.preemption)
             member.successor = successor.name
             launched += 1
 
@@ -67,8 +68,12 @@ class Autoscaler:
                            "never became ready; see their errors in `hpcserve status`")
             return
         if decision.action == "up":
-            ctl.decide("scale up", decision.reason)
-            ctl.launch(MemberRole.SCALE_UP, single_replica(ctl.base_layout()))
+            placement = place_replica(self.spec, *ctl.placed())
+            if placement is None:  # decide_scale counted the same members: not expected
+                ctl.decide("scale up held", f"{decision.reason}, but no partition has room")
+                return
+            ctl.decide("scale up", f"{decision.reason}; {placement.reason}")
+            ctl.launch(MemberRole.SCALE_UP, single_replica(ctl.base_layout()), burst=placement.burst)
             history.clear()  # judge the next step on the load the new replica sees
         elif decision.action == "down" and decision.backend:
             ctl.decide("scale down", decision.reason)
