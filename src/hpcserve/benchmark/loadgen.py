@@ -132,22 +132,22 @@ class Repeated(Sequence):
     until its send window ends."""
 
     def __init__(self, value, count: int):
-        self.value, self.count = value, count
+        self.value, self.times = value, count  # not self.count: Sequence.count is a method
 
     def __len__(self) -> int:
-        return self.count
+        return self.times
 
     def __getitem__(self, index):
         if isinstance(index, slice):
-            return [self.value] * len(range(*index.indices(self.count)))
-        if not -self.count <= index < self.count:
+            return [self.value] * len(range(*index.indices(self.times)))
+        if not -self.times <= index < self.times:
             raise IndexError(index)
         return self.value
 
 
 def completion_body(model: str, request: RequestInput, ignore_eos: bool) -> dict:
     """max_tokens with ignore_eos makes the output length exact; usage (in a stream's last chunk) counts it."""
-    body = {
+    body: dict = {
         "model": model,
         "messages" if request.is_chat else "prompt": request.prompt,
         "max_tokens": request.output_len,

@@ -13,8 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hpcserve.core.errors import HpcserveError, StageError
-from hpcserve.core.logs import configure_process_logging
 from hpcserve.core.files import write_json
+from hpcserve.core.logs import configure_process_logging
 from hpcserve.core.osenv import PRIVATE_UMASK
 from hpcserve.core.paths import RunPaths
 from hpcserve.core.runstate import RunStateWriter

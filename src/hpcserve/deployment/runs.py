@@ -348,7 +348,7 @@ class SlurmRun:
 
     def info_now(self) -> JobInfo | None:
         try:
-            return self.slurm.job_now(self.record.job_id)
+            return self.slurm.job_now(self.job_id)
         except SlurmError:
             return None
 
@@ -367,7 +367,7 @@ class SlurmRun:
         """The pending job's place in its partition's queue (1 = next); None when not pending or Slurm did
         not answer."""
         try:
-            return self.slurm.queue_position(self.record.job_id)
+            return self.slurm.queue_position(self.job_id)
         except SlurmError:
             return None
 

@@ -332,9 +332,9 @@ class Waking:
     def from_json(cls, data: object) -> Waking:
         """Raises ValueError naming what is wrong."""
         if not isinstance(data, dict):
-            raise ValueError("a waking state is an object with 'phase', 'since' and 'wait_s'")
+            raise ValueError("a waking state is an object with 'phase', 'since' and 'wait_s'")  # noqa: TRY004
         try:
-            phase = WakePhase(data.get("phase"))
+            phase = WakePhase(data["phase"])
             since, wait_s = float(data["since"]), float(data["wait_s"])
             ready_at = float(data["ready_at"]) if data.get("ready_at") is not None else None
             position = int(data["position"]) if data.get("position") is not None else None

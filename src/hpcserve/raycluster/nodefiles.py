@@ -85,7 +85,7 @@ def named_as_ours(temp: Path, uid: int) -> bool:
     return temp.parent.name.startswith(f"{TEMP_PREFIX}{uid}-") and temp.name not in ("", ".", "..")
 
 
-def remove_run_node_folders(run_dir: Path) -> list[Path]:
+def remove_run_node_folders(run_dir: str | Path) -> list[Path]:
     """remove_node_folders for a run folder and its members' (an endpoint's, killed members included)."""
     return [p for d in [Path(run_dir), *RunPaths(Path(run_dir)).member_run_dirs()] for p in remove_node_folders(d)]
 

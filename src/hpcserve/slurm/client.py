@@ -18,8 +18,8 @@ from pathlib import Path
 
 from hpcserve.core.errors import HpcserveError, SlurmError, UsageError
 from hpcserve.slurm.parse import (
-    SACCT_FORMAT,
     PENDING_FORMAT,
+    SACCT_FORMAT,
     SQUEUE_FORMAT,
     SlurmParseError,
     SlurmProblem,

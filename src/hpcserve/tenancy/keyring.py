@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from hpcserve.core.errors import UsageError
 from hpcserve.tenancy.records import KeyRecord, KeySource, Limits, new_key
@@ -33,7 +33,8 @@ def add_key(store: Store, user: str, *, project: str | None = None, models: tupl
 def revoke(store: Store, selector: str, now: float | None = None) -> list[KeyRecord]:
     """Revoke the key with this id, or every live key of the user of this name; the keys revoked."""
     now = time.time() if now is None else now
-    live = [r for r in store.keys() if r.revoked_at is None and selector in (r.key_id, r.user)]
+    live = [r for r in store.keys()  # noqa: SIM118 - a Store, not a dict
+            if r.revoked_at is None and selector in (r.key_id, r.user)]
     if not live:
         raise UsageError(f"no live key has the id or user {selector!r}: `hpcserve keys list` shows them")
     return [r for r in live if store.revoke(r.key_id, now)]
@@ -53,5 +54,5 @@ def parse_when(text: str, now: float | None = None, *, past: bool = False) -> fl
         raise UsageError(f"{text!r} is neither a duration (30d, 12h, 90m, 2w) nor a date (2027-01-31, "
                          "2027-01-31T12:00)") from None
     if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=timezone.utc)
+        moment = moment.replace(tzinfo=UTC)
     return moment.timestamp()

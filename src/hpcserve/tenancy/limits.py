@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, TypeGuard
 
 from hpcserve.tenancy.records import Limits
 
@@ -109,5 +109,5 @@ def _until_below(previous: int, current: int, into: float, most: float) -> float
     return rest + needed * 60
 
 
-def _number(value) -> bool:
+def _number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)

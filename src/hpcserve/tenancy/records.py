@@ -39,7 +39,7 @@ class Limits:
     max_best_of: int | None = None
     max_tokens: int | None = None  # max_tokens / max_completion_tokens of one request
 
-    def merged(self, override: "Limits") -> "Limits":
+    def merged(self, override: Limits) -> Limits:
         """These limits with override's where override sets one."""
         return replace(self, **{k: v for k, v in override.__dict__.items() if v is not None})
 

@@ -13,14 +13,15 @@ Tables (the same in both):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Protocol
 
 from hpcserve.tenancy.postgres import PostgresStore
 from hpcserve.tenancy.records import GroupBy, KeyRecord, UsageRow, UsageTotal, WindowCounts
 from hpcserve.tenancy.sqlite import SqliteStore
 
-__all__ = ["Store", "open_store", "GroupBy", "UsageTotal", "WindowCounts"]
+__all__ = ["GroupBy", "Store", "UsageTotal", "WindowCounts", "open_store"]
 
 
 class Store(Protocol):

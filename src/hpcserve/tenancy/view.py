@@ -16,6 +16,7 @@ at most usage_flush_s of its requests (docs/tenancy.md).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -26,8 +27,8 @@ from dataclasses import dataclass, field
 from hpcserve.core.keys import KeyCheck, bearer_token
 from hpcserve.tenancy.limits import DAY_S, LimitHit, Window, cap_hit, rate_hit
 from hpcserve.tenancy.records import OWNER_KEY_ID, KeyRecord, Limits, UsageRow, matches, split_key
-from hpcserve.tenancy.tables import minute_counts
 from hpcserve.tenancy.store import Store
+from hpcserve.tenancy.tables import minute_counts
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ class Meter:
         for key_id, minute, requests, tokens in counts:
             minutes = self.own.get(key_id)
             own = minutes.get(minute) if minutes is not None else None
-            if own is None:
+            if minutes is None or own is None:
                 continue
             own.requests -= requests
             own.tokens -= tokens
@@ -179,7 +180,8 @@ class TenantView:
             return self.owner_tenant if self.owner is not None and self.owner.allows(authorization) else None
         key_id, secret = parts
         record = self.keys.get(key_id)
-        if not matches(record, secret) or not record.usable(now):
+        # matches() first, for an unknown id too: a refusal takes as long either way
+        if not matches(record, secret) or record is None or not record.usable(now):
             return None
         return self.tenants[key_id]
 
@@ -235,7 +237,7 @@ class TenantView:
                 keys = tenants = None
                 revision = store.revision()
                 if revision != self.revision:
-                    keys = {record.key_id: record for record in store.keys()}
+                    keys = {record.key_id: record for record in store.keys()}  # noqa: SIM118 - a Store, not a dict
                     tenants = {key_id: self.tenant_of(record) for key_id, record in keys.items()}
                     self.revision = revision
                 wall = time.time()
@@ -248,13 +250,11 @@ class TenantView:
                            for key, minutes in store.window_counts(day_start).items()}
                     day_before = recent_since
                 self._post(keys, tenants, recent, day, written)
-            except Exception:  # noqa: BLE001 - the database may be away a while: serve on, try again
+            except Exception:  # the database may be away a while: serve on, try again
                 log.exception("tenancy: the store could not be read or written; trying again in %g s", self.poll_s)
                 if store is not None:
-                    try:
+                    with contextlib.suppress(Exception):  # its connection may be broken already
                         store.close()
-                    except Exception:  # noqa: BLE001
-                        pass
                     store = None
                 if stopping:
                     return

@@ -70,7 +70,6 @@ FAILING_PROMPT = "__answer_500__"
 CRASHING_PROMPT = "__crash__"
 CONFIG = web.AppKey("config", dict)
 FROZEN = web.AppKey("frozen", asyncio.Event)
-CACHE = web.AppKey("prefix_cache", object)
 BLOCK_TOKENS = 16  # vLLM's default KV block
 FILLED_FAMILIES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                    "vllm:request_success_total", "vllm:request_success_created")
@@ -203,6 +202,7 @@ def word_ids(words: list[str]) -> list[int]:
 # ------------------------------------------------------------------ one stand-in
 
 METRICS = web.AppKey("metrics", MetricsPage)
+CACHE = web.AppKey("prefix_cache", PrefixCache)
 
 
 def _authorized(request: web.Request) -> bool:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from hpcserve.core.config import DeploymentConfig, config_differences, load_config
 from hpcserve.core.errors import UsageError

@@ -18,7 +18,9 @@ import signal
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 from hpcserve.core.config import DeploymentConfig, Layout
@@ -39,6 +41,7 @@ from hpcserve.endpoint.control.members import (
     replica_urls,
 )
 from hpcserve.endpoint.control.plane_client import Router, RouterError
+from hpcserve.endpoint.control.policies.base import Policy
 from hpcserve.endpoint.control.policies.handover import Handover
 from hpcserve.endpoint.control.policies.member_requests import MemberRequests
 from hpcserve.endpoint.control.policies.migration_notes import MigrationNotes
@@ -83,8 +86,8 @@ class Controller:
         self.pool = Pool(router, api_key, cfg.model.name, TICK_S, self.serving_backends)
         self.autoscaler = Autoscaler(cfg.autoscale)
         self.sleeper = Sleeper(cfg.autoscale, cfg.engine.sleep_mode != "off")
-        self.policies = [SelfHealing(), self.autoscaler, self.sleeper, Handover(cfg), MigrationNotes(),
-                         MemberRequests(run_dir), Preemption(cfg.autoscale)]
+        self.policies: list[Policy] = [SelfHealing(), self.autoscaler, self.sleeper, Handover(cfg),
+                                       MigrationNotes(), MemberRequests(run_dir), Preemption(cfg.autoscale)]
         self.decisions: list[Decision] = []
         self.failed_launches = 0  # members in a row that never became ready
         self.forwarded = 0
@@ -190,7 +193,7 @@ class Controller:
 
     def plane_load(self) -> PlaneLoad:
         answer = Backends.from_json(self.router.backends_json())
-        in_flight = sum(b.in_flight for b in [*answer.backends, *answer.retired])
+        in_flight = sum(b.in_flight for b in answer.backends) + sum(b.in_flight for b in answer.retired)
         return PlaneLoad(in_flight, answer.held)
 
     def base_layout(self) -> Layout:
@@ -245,20 +248,22 @@ class Controller:
                 if member.status is not MemberStatus.LAUNCHING or any(u in failed for u in urls[member.name]):
                     continue
                 member.backends, member.status, member.note = urls[member.name], MemberStatus.SERVING, ""
-                self.measure_startup(member, states[member.name].job_started, time.time())
+                ready_s, startup_s = self.measure_startup(member, states[member.name].job_started, time.time())
                 self.decide("join", f"{member.name}: {', '.join(member.backends)} in the pool after "
-                                    f"{member.ready_s:.0f} s (queue {member.ready_s - member.startup_s:.0f} s, "
-                                    f"startup {member.startup_s:.0f} s{' under load' if member.under_load else ''})")
+                                    f"{ready_s:.0f} s (queue {ready_s - startup_s:.0f} s, "
+                                    f"startup {startup_s:.0f} s{' under load' if member.under_load else ''})")
                 self.failed_launches = 0
         return failed
 
-    def measure_startup(self, member: Member, job_started: float | None, now: float) -> None:
+    def measure_startup(self, member: Member, job_started: float | None, now: float) -> tuple[float, float]:
         """What the walltime handover plans with: the member's queue wait and startup, and whether the
-        endpoint served requests meanwhile (a replica starts slower next to a loaded one)."""
-        member.ready_s = now - member.launched
-        member.job_started = job_started or member.launched
-        member.startup_s = now - member.job_started
-        member.under_load = served_during(self.pool.history, member.job_started)
+        endpoint served requests meanwhile (a replica starts slower next to a loaded one). Returns
+        (ready_s, startup_s), as set on the member."""
+        ready_s = member.ready_s = now - member.launched
+        job_started = member.job_started = job_started or member.launched
+        startup_s = member.startup_s = now - job_started
+        member.under_load = served_during(self.pool.history, job_started)
+        return ready_s, startup_s
 
     def finish_joins(self) -> None:
         """Members whose join failed: out of the pool again, and a failed launch each."""
@@ -287,11 +292,11 @@ class Controller:
         """One round. A step that fails (a Slurm command timing out, the router refusing a change) is
         reported as a decision and tried again next round: the endpoint keeps serving meanwhile."""
         started = time.monotonic()
-        steps = [(step.__name__, step) for step in (self.forward_first_member, self.keep_router_up,
-                                                    self.check_members, self.check_serving, self.check_jobs,
-                                                    self.pool.balance)]
+        steps: list[tuple[str, Callable[[], None]]] = [
+            (step.__name__, step) for step in (self.forward_first_member, self.keep_router_up, self.check_members,
+                                               self.check_serving, self.check_jobs, self.pool.balance)]
         if self.ready:
-            steps += [(policy.name, lambda policy=policy: policy.step(self)) for policy in self.policies]
+            steps += [(policy.name, partial(policy.step, self)) for policy in self.policies]
         for name, step in steps:
             if self.stop_requested:
                 raise Stop(self.stop_requested)

@@ -16,9 +16,9 @@ from typing import Literal
 
 from hpcserve.core.config import AutoscaleSpec
 from hpcserve.core.statuses import Adoption, MemberRole, MemberStatus
-from hpcserve.planning.walltime import HANDOVER_MARGIN_S, HANDOVER_STARTUP_FACTOR, handover_lead_s
+from hpcserve.endpoint.protocol import WakePhase, Waking
 from hpcserve.engine.metrics import EngineLoad
-from hpcserve.endpoint.protocol import Waking, WakePhase
+from hpcserve.planning.walltime import HANDOVER_MARGIN_S, HANDOVER_STARTUP_FACTOR, handover_lead_s
 from hpcserve.slurm.parse import slurm_epoch
 from hpcserve.slurm.states import JobInfo, JobState
 
@@ -123,7 +123,7 @@ class PlaneLoad:
 
 @dataclass(frozen=True)
 class ScaleDecision:
-    action: Literal["up", "down", "hold", "sleep", "wake"]
+    action: Literal["up", "down", "hold", "sleep", "wake", "preempted", "job ending"]
     reason: str
     backend: str | None = None  # for "down": the one to drain
 
@@ -500,7 +500,7 @@ def place_replica(spec: AutoscaleSpec, base: int, burst: int, replacing_preempte
     if main_room:
         return Placement(False, f"on the main partition ({base}/{spec.max} there"
                          + (", room before the burst partition)" if extra is not None else ")"))
-    if burst_room:
+    if burst_room and extra is not None:
         return Placement(True, f"on burst partition {extra.partition}: the main partition is at autoscale.max "
                          f"{spec.max} ({burst}/{extra.max} burst replicas)")
     return None

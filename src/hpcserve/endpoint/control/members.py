@@ -20,8 +20,8 @@ from hpcserve.core.paths import RunPaths
 from hpcserve.core.registry import Record
 from hpcserve.core.runstate import RunState, read_timeline
 from hpcserve.core.statuses import MemberRole, MemberStatus
-from hpcserve.engine.replicas import replica_shapes
 from hpcserve.engine.capacity import max_num_seqs
+from hpcserve.engine.replicas import replica_shapes
 
 # Replica ports of member slot k: serve.port + 1 + k * PORTS_PER_MEMBER + replica index. A slot is
 # reused once its member is gone, so the ports of a long-lived endpoint stay within a small window.
@@ -151,7 +151,7 @@ def pool_replicas(members: list[Member], model: str, described: dict[str, list[d
     """Every replica behind the router, as its member's driver describes it (nodes, processes, logs),
     numbered across the endpoint and named by member; healthy: its member serves (in the pool).
     described: member -> its replicas as read when it joined (else its state.json is read now)."""
-    out = []
+    out: list[dict] = []
     for member in members:
         if not member.backends:
             continue

@@ -29,9 +29,9 @@ from hpcserve.endpoint.control.decisions import (
     reads_due,
     should_leave,
 )
+from hpcserve.endpoint.control.plane_client import Router
 from hpcserve.endpoint.control.probe import ProbeKind, Prober, Result
 from hpcserve.endpoint.control.rotation import Rotation
-from hpcserve.endpoint.control.plane_client import Router
 from hpcserve.engine.client import completion_probe, kv_cache_size
 from hpcserve.engine.metrics import EngineLoad
 

@@ -52,7 +52,7 @@ def per_operation(timeout_s: float) -> aiohttp.ClientTimeout:
     return aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=timeout_s)
 
 
-def failure(exc: Exception) -> Probed:
+def failure(exc: BaseException) -> Probed:
     return Probed(False, f"{type(exc).__name__}: {exc}"[:200], late=isinstance(exc, aiohttp.SocketTimeoutError))
 
 
@@ -152,8 +152,8 @@ class Prober:
     async def _probe_one(self, url: str, timeout: aiohttp.ClientTimeout) -> Probed:
         health, metrics = await asyncio.gather(self._get(f"{url}/health", timeout, self.fresh),
                                                self._get(f"{url}/metrics", timeout), return_exceptions=True)
-        errors = [r for r in (health, metrics) if isinstance(r, BaseException)]
-        if errors:
+        if isinstance(health, BaseException) or isinstance(metrics, BaseException):
+            errors = [r for r in (health, metrics) if isinstance(r, BaseException)]
             unexpected = [e for e in errors if not isinstance(e, aiohttp.ClientError | asyncio.TimeoutError)]
             if unexpected:
                 raise unexpected[0]
@@ -167,7 +167,7 @@ class Prober:
     async def _load_one(self, url: str, timeout: aiohttp.ClientTimeout) -> Probed:
         try:
             status, text = await self._get(f"{url}/metrics", timeout)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             return failure(exc)
         return parsed(text) if status == 200 else Probed(False, f"/metrics {status}")
 

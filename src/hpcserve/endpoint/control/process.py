@@ -40,11 +40,11 @@ from hpcserve.endpoint.control.resume import resume
 from hpcserve.engine.args import routes_by_cache
 from hpcserve.engine.client import READY_PROMPT, completion_probe
 from hpcserve.engine.kv_events import flag_value
+from hpcserve.planning.model_source import resolve_model_path, resolved_layout
 from hpcserve.slurm.client import SlurmClient
 from hpcserve.tenancy.selfservice import SelfServiceServer
 from hpcserve.tenancy.settings import TenancySettings, tenancy_on
 from hpcserve.tenancy.store import open_store
-from hpcserve.planning.model_source import resolve_model_path, resolved_layout
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ def teardown(ctl: Controller) -> None:
     def stop_one(member: Member) -> None:
         try:
             ctl.runs.run_of(member.as_record()).stop(timeout_s=MEMBER_STOP_TIMEOUT_S)
-        except Exception:  # noqa: BLE001 - keep stopping the others
+        except Exception:  # keep stopping the others
             log.exception("stopping member %s failed", member.name)
 
     threads = [threading.Thread(target=stop_one, args=(m,)) for m in ctl.members if m.status is not MemberStatus.GONE]
@@ -183,16 +183,25 @@ def run(run_dir: Path, runs: Launcher | None = None) -> int:
             open_desk(keys_desk)
             adopt_and_control(ctl, previous, adopted)
 
-        return run_to_end(ctl.writer, adopt_body, lambda: close_desk(keys_desk) or (
-            teardown(ctl) if adopted.is_set() else leave_running(ctl)), paths.endpoint_log, Stage.ADOPT)
+        def adopt_end() -> None:  # what ran stays running unless the adoption got as far as controlling it
+            close_desk(keys_desk)
+            if adopted.is_set():
+                teardown(ctl)
+            else:
+                leave_running(ctl)
+
+        return run_to_end(ctl.writer, adopt_body, adopt_end, paths.endpoint_log, Stage.ADOPT)
 
     def body() -> None:
         router.start([])
         open_desk(keys_desk)
         serve(ctl)
 
-    return run_to_end(ctl.writer, body, lambda: close_desk(keys_desk) or teardown(ctl), paths.endpoint_log,
-                      Stage.ROUTER)
+    def end() -> None:
+        close_desk(keys_desk)
+        teardown(ctl)
+
+    return run_to_end(ctl.writer, body, end, paths.endpoint_log, Stage.ROUTER)
 
 
 def self_service(cfg, paths: RunPaths, url: str) -> SelfServiceServer | None:

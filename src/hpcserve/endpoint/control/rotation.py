@@ -12,6 +12,9 @@ The choice is pure (saturated_now, next_saturated); Rotation sends it to the rou
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
+
 from hpcserve.endpoint.control.plane_client import Router
 from hpcserve.engine.metrics import EngineLoad, is_saturated
 
@@ -29,14 +32,15 @@ def saturated_now(loads: dict[str, EngineLoad | None], marked: set[str], capacit
         was = url in marked
         if load is None:
             now |= {url} if was else set()
-        elif was and not (load.waiting == 0 and (load.kv_cache_usage is None or load.kv_cache_usage < resume_kv_usage)):
-            now.add(url)
-        elif not was and is_saturated(load, max_waiting, max_kv_usage, (capacities or {}).get(url, 0)):
+            continue
+        drained = load.waiting == 0 and (load.kv_cache_usage is None or load.kv_cache_usage < resume_kv_usage)
+        if (was and not drained) or (not was and is_saturated(load, max_waiting, max_kv_usage,
+                                                              (capacities or {}).get(url, 0))):
             now.add(url)
     return now
 
 
-def next_saturated(pool: list[str], answered: set[str], loads: dict[str, EngineLoad | None], marked: set[str],
+def next_saturated(pool: list[str], answered: set[str], loads: Mapping[str, EngineLoad | None], marked: set[str],
                    capacities: dict[str, int] | None = None) -> set[str]:
     """The marks after one round of the controller. Only backends whose last probe answered are judged
     (a dying one's stale figures decide nothing); the others keep their marks; backends gone from the
@@ -54,8 +58,8 @@ class Rotation:
         self.router = router
         self.paused: set[str] = set()  # saturated now: skipped by the data plane while another has room
 
-    def update(self, pool: list[str], answered: set[str], loads: dict[str, EngineLoad | None],
-               suspect: set[str] = frozenset()) -> None:
+    def update(self, pool: list[str], answered: set[str], loads: Mapping[str, EngineLoad | None],
+               suspect: AbstractSet[str] = frozenset()) -> None:
         """suspect: backends whose probes answer too late (busy or frozen): marked, as if saturated."""
         marked = next_saturated(pool, answered, loads, self.paused, self.router.capacities()) | (suspect & set(pool))
         self.router.set_saturated(marked)  # one admin call, only when a mark changed

@@ -28,10 +28,10 @@ from hpcserve.core.runstate import RunState
 from hpcserve.core.statuses import MemberStatus, RunKind
 from hpcserve.deployment.preflight import Prepared, check_walltime
 from hpcserve.deployment.runs import LocalRun, run_of
-from hpcserve.endpoint.control.policies.handover import handover_room
 from hpcserve.endpoint.control.joining import leave
 from hpcserve.endpoint.control.members import Member
 from hpcserve.endpoint.control.plane_client import is_router, router_serving, stop_router
+from hpcserve.endpoint.control.policies.handover import handover_room
 from hpcserve.engine.client import health_ok
 from hpcserve.raycluster.nodefiles import remove_run_node_folders
 
@@ -82,7 +82,8 @@ class EndpointCheck:
 def inspect_endpoint(record: Record, state: RunState | None = None) -> EndpointCheck:
     state = state or RunState.read(record.run_dir)
     members = [Member.from_json(m) for m in state.members]
-    serving = bool(state.endpoint_url) and router_serving(state.router_pid, state.endpoint_url)
+    url = state.endpoint_url
+    serving = router_serving(state.router_pid, url) if url else False
     return EndpointCheck(LocalRun(record).gone(), state.router_pid, serving,
                          tuple(check_member(m) for m in members if m.status in CHECKED))
 

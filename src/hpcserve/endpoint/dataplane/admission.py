@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from itertools import islice
@@ -243,7 +243,9 @@ class Admission:
         sized = self._sized
         if sized[0] is not active:
             kv = [self.pool.kv_tokens.get(b.url) for b in active]
-            budget = None if self.share <= 0 or not kv or None in kv else int(self.share * sum(kv) / self.workers)
+            known = [k for k in kv if k is not None]
+            budget = (None if self.share <= 0 or not kv or len(known) < len(kv)
+                      else int(self.share * sum(known) / self.workers))
             slots = (None if self.fair is None or not active
                      else max(1, sum(b.capacity + 1 for b in active) // self.workers))
             sized = self._sized = (active, budget, slots, max(1, sum(b.capacity for b in active) // self.workers))
@@ -280,7 +282,7 @@ class Admission:
             self.fair.arrived(project, user, now)
         if not self.waiting and self.may_go(ticket, slots, capacity, now):
             cost = prefill_cost(self.pool, affinity, now)[0] if priced else 0
-            if not priced or self.admitted == 0 or self.in_flight + cost <= budget:
+            if not priced or budget is None or self.admitted == 0 or self.in_flight + cost <= budget:
                 self.grant(ticket, cost)
                 return ticket
         ticket.granted = asyncio.get_running_loop().create_future()
@@ -341,7 +343,8 @@ class Admission:
                           else [i for i, t in enumerate(self.waiting) if (t.project, t.user) == turn])
             costs: list[tuple[int, bool, float]] = []  # computed as next_admitted reads them
 
-            def each_cost() -> Iterator[tuple[int, bool, float]]:
+            def each_cost(candidates: Sequence[int], budget: int | None, costs: list[tuple[int, bool, float]],
+                          now: float) -> Iterator[tuple[int, bool, float]]:
                 for index in candidates:
                     ticket = self.waiting[index]
                     priced = budget is not None and ticket.affinity is not None and ticket.affinity.tokens
@@ -350,7 +353,7 @@ class Admission:
                     yield costs[-1]
 
             room = budget - self.in_flight if budget is not None else 2**62
-            pick = next_admitted(each_cost(), room, self.admitted == 0, now)
+            pick = next_admitted(each_cost(candidates, budget, costs, now), room, self.admitted == 0, now)
             if pick is None:
                 return
             ticket = self.waiting[candidates[pick]]

@@ -76,7 +76,7 @@ HANDLED = frozenset({
     "mm_processor_kwargs", "media_io_kwargs", "metadata", "store", "service_tier", "return_tokens_as_token_ids",
     "return_token_offsets", "routed_experts_prompt_start"})
 # Not migrated unless they have their default (or a value without effect): why, for the reason.
-NEEDS_DEFAULT = {
+NEEDS_DEFAULT: dict[str, tuple[tuple, str]] = {
     "n": ((None, 1), "several choices"), "best_of": ((None, 1), "best_of"),
     "use_beam_search": ((None, False), "beam search"), "echo": ((None, False), "echo"),
     "logprobs": ((None, False), "logprobs"), "top_logprobs": ((None, 0), "top_logprobs"),
@@ -201,7 +201,7 @@ def _request(kind: Kind, data: dict) -> Request:
         limit = data.get("max_completion_tokens")
         limit = data.get("max_tokens") if limit is None else limit
     else:
-        limit = data["max_tokens"] if "max_tokens" in data else COMPLETIONS_MAX_TOKENS
+        limit = data.get("max_tokens", COMPLETIONS_MAX_TOKENS)
     stop = data.get("stop") or ()
     options = data.get("stream_options") or {}
     return Request(kind=kind, model=data.get("model"),

@@ -57,28 +57,34 @@ from yarl import URL
 
 from hpcserve.core.errors import HpcserveError
 from hpcserve.core.keys import KeyCheck, bearer, read_key_file
+from hpcserve.core.logs import configure_process_logging
 from hpcserve.core.statuses import Routing
 from hpcserve.endpoint.dataplane import wire
-from hpcserve.endpoint.dataplane.admission import FairShare
-from hpcserve.endpoint.dataplane.routing import choose
-from hpcserve.endpoint.dataplane.routing.table import Affinity, Backend
-from hpcserve.endpoint.dataplane.rooms import NoRoom, Room, Rooms, gone_model, models_answer
-from hpcserve.endpoint.dataplane.migration import Request as Migratable, prepare
 from hpcserve.endpoint.dataplane.admin import admin_app
+from hpcserve.endpoint.dataplane.admission import FairShare
 from hpcserve.endpoint.dataplane.metrics import CLIENT_CLOSED, Stats
-from hpcserve.endpoint.dataplane.server import (ClientServer, RelayedStream, answered_status, bind_admin_socket,
-                                            client_sockets)
-from hpcserve.endpoint.dataplane.settings import Settings, parse_args
+from hpcserve.endpoint.dataplane.migration import Request as Migratable
+from hpcserve.endpoint.dataplane.migration import prepare
+from hpcserve.endpoint.dataplane.rooms import NoRoom, Room, Rooms, gone_model, models_answer
+from hpcserve.endpoint.dataplane.routing import choose
 from hpcserve.endpoint.dataplane.routing.log import RoutingLog
+from hpcserve.endpoint.dataplane.routing.table import Affinity, Backend
+from hpcserve.endpoint.dataplane.server import (
+    ClientServer,
+    RelayedStream,
+    answered_status,
+    bind_admin_socket,
+    client_sockets,
+)
+from hpcserve.endpoint.dataplane.settings import Settings, parse_args
 from hpcserve.endpoint.dataplane.streams import Lease, Stream
 from hpcserve.endpoint.dataplane.tenants import Visit, limit_refusal, model_refusal, tenant_view
 from hpcserve.endpoint.dataplane.waking import answer_in_stream, wait_for_wake, waiting_stream
 from hpcserve.endpoint.dataplane.workers import supervise
+from hpcserve.endpoint.protocol import PROCESS_TITLE, Migration, ModelSpec
 from hpcserve.tenancy.limits import missing_max_tokens
 from hpcserve.tenancy.settings import TenancySettings
 from hpcserve.tenancy.view import Tenant, TenantView
-from hpcserve.core.logs import configure_process_logging
-from hpcserve.endpoint.protocol import PROCESS_TITLE, Migration, ModelSpec
 
 # Engines (uvicorn) close idle keep-alive connections after 5 s; closing ours first spares requests the
 # race of a connection closed under them.
@@ -212,7 +218,7 @@ class DataPlane:
             now = time.monotonic()
             self.stats.done(status, now - started)
             visit = request.get(VISIT)
-            if visit is not None:
+            if visit is not None and self.tenants is not None:  # a Visit is kept only with tenants (admit_tenant)
                 row = visit.row(status, now)
                 self.tenants.ended(row)
                 self.stats.used(row.project, row.prompt_tokens, row.completion_tokens)
@@ -241,7 +247,7 @@ class DataPlane:
         # With tenants, streams carry their token ids (migration.prepare) so that their usage is counted.
         migrates = (self.settings.migrations > 0 or tenant is not None) and request.method == "POST"
         parse = body and (room is None or room.prefix or migrates or tenant is not None)
-        data = body_json(body, request.headers.get("Content-Type")) if parse else None
+        data = body_json(body, request.headers.get("Content-Type")) if parse and body is not None else None
         if room is None:
             try:
                 room = self.rooms.for_request(data)
@@ -266,20 +272,22 @@ class DataPlane:
         """The tenant's model and limits checked (a Refusal if not), the request counted against its key, and
         its Visit kept on the request for its usage row. Returns the body (and JSON) to send: with max_tokens
         set where the key caps it and the request set none."""
+        tenants = self.tenants
+        assert tenants is not None, "a tenant is only ever identified by self.tenants (answer)"
         model = data.get("model") if data is not None else None
         model = model if isinstance(model, str) else None
         if model is not None and not tenant.allows_model(model):
             raise Refusal(403, model_refusal(model, tenant.models or ()))
         now = time.time()
-        hit = self.tenants.check(tenant, data, now)
+        hit = tenants.check(tenant, data, now)
         if hit is not None:
             status, answer, _ = limit_refusal(hit)
             raise Refusal(status, answer, retry_after=hit.retry_after_s if hit.retry_after_s is not None else False)
         cap = missing_max_tokens(tenant.limits, data)
-        if cap is not None:
+        if cap is not None and data is not None:  # a cap only for a request's JSON
             data = {**data, "max_tokens": cap}
             body = json.dumps(data).encode()
-        self.tenants.began(tenant, now)
+        tenants.began(tenant, now)
         request[VISIT] = Visit(tenant, target.split("?", 1)[0], model, now, time.monotonic())
         return body, data
 
@@ -309,8 +317,9 @@ class DataPlane:
         resent = 0
         while True:
             backend = self.choose(room.pool, room.policy, affinity, time.monotonic(), tried)
-            if backend is None and room.sleep.enabled and not room.pool.active:  # asleep or waking: waking.py
-                hold_until = hold_until or time.monotonic() + room.sleep.waking.wait_s
+            waking = room.sleep.waking  # None: the model does not sleep
+            if backend is None and waking is not None and not room.pool.active:  # asleep or waking: waking.py
+                hold_until = hold_until or time.monotonic() + waking.wait_s
                 backend = await wait_for_wake(self, request, room, affinity, body, hold_until, waking_refusal)
                 if not isinstance(backend, Backend):  # a stream whose wait ran out, answered
                     return backend
@@ -381,9 +390,11 @@ class DataPlane:
         attempt early, the client leaving included (a cancellation), closes the engine's connection:
         vLLM aborts a request whose connection closed, and keeps generating one whose did not."""
         backend, upstream = lease.backend, None
+        session = self.session
+        assert session is not None, "open() makes the session before any request"
         try:  # nothing has reached the client yet: a failure here may be tried on another backend
             async with asyncio.timeout(self.settings.first_byte_timeout_s):
-                upstream = await self.session.request(request.method, self.upstream_url(backend.url, target),
+                upstream = await session.request(request.method, self.upstream_url(backend.url, target),
                                                       data=body, headers=headers, allow_redirects=False)
                 whole = self.read_whole(request, upstream)
                 # A stream commits to this backend only once its first chunk is here: vLLM answers 200 at

@@ -165,8 +165,9 @@ def models_answer(rooms: Rooms, created: int, now: float, name: str | None = Non
         state = room.describe(now, room is rooms.own)
         card = {"id": room.name, "object": "model", "created": created, "owned_by": OWNED_BY, "root": room.name,
                 "state": str(state.state), "replicas": state.healthy}
-        if state.state in (ModelState.ASLEEP, ModelState.WAKING):  # e.g. "queued 12 s (Resources)"
-            card["waking"] = room.sleep.waking.describe(time.time())
+        waking = room.sleep.waking  # set in these two states
+        if state.state in (ModelState.ASLEEP, ModelState.WAKING) and waking is not None:  # "queued 12 s (Resources)"
+            card["waking"] = waking.describe(time.time())
         return card
 
     if name is None:

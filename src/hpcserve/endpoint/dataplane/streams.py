@@ -30,11 +30,11 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from hpcserve.endpoint.dataplane.routing import choose
-from hpcserve.endpoint.dataplane.routing.table import Backend
 from hpcserve.endpoint.dataplane import successor
 from hpcserve.endpoint.dataplane.continuation import Continuation, detokenize_body, ending, start
 from hpcserve.endpoint.dataplane.migration import CannotMigrate, Record, Request, why_not
+from hpcserve.endpoint.dataplane.routing import choose
+from hpcserve.endpoint.dataplane.routing.table import Backend
 from hpcserve.endpoint.dataplane.sse import (
     DONE,
     DONE_MARK,
@@ -106,9 +106,10 @@ class Stream:
                     self.upstream = upstream
                     await self.pass_on(upstream, chunk)
                     return
-                except StreamFailed as failed:
+                except StreamFailed as exc:
                     upstream.close()
                     self.upstream = None
+                    failed = exc
                     if self.leaving:  # the read ended because hand_over_now closed it: not a failure
                         failed, self.leaving = StreamFailed("handover"), False
                     moved = await self.migrate(failed)

@@ -25,7 +25,7 @@ from aiohttp import web
 
 from hpcserve.endpoint.dataplane import wire
 from hpcserve.endpoint.dataplane.server import RelayedStream
-from hpcserve.endpoint.protocol import Waking, WakePhase, Wakes
+from hpcserve.endpoint.protocol import Wakes, Waking
 
 COMMENT_EVERY_S = 3.0  # an SSE comment to a waiting stream this often (proxies close silent streams)
 WAITING = "hpcserve.waking"  # the request's waiting stream (already answered 200), for relay to go on in
@@ -68,13 +68,14 @@ def wake_refusal(waking: Waking, model: str, now: float, deadline: float) -> tup
     """(Retry-After seconds, the 503 body) when a request waiting for a sleeping model must give up now: its
     wait is over, or the replica is expected later than its wait allows (Slurm's start estimate); None
     while it may wait on. now, deadline: epoch seconds. Pure."""
-    late = waking.ready_at is not None and waking.ready_at > deadline
+    ready_at = waking.ready_at
+    late = ready_at is not None and ready_at > deadline
     if now < deadline and not late:
         return None
     state = waking.describe(now)
-    if late:
-        retry = max(wire.RETRY_AFTER_S, round(waking.ready_at - now))
-        expected = datetime.fromtimestamp(waking.ready_at).strftime("%H:%M:%S")
+    if late and ready_at is not None:
+        retry = max(wire.RETRY_AFTER_S, round(ready_at - now))
+        expected = datetime.fromtimestamp(ready_at).strftime("%H:%M:%S")
         why = (f"its replica is {state}, expected to serve at about {expected}, later than this request may wait "
                f"({waking.wait_s:g} s, autoscale.wake_wait_s)")
     else:

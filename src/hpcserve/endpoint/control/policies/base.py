@@ -36,6 +36,9 @@ class ControlPlane(Protocol):
 
     def drain_all(self, backends: list[tuple[str, str]]) -> None: ...
 
+    def leave(self, backends: list[tuple[str, str]]) -> None:
+        """Backends out of the pool, each with its reason, in one router change (not drained)."""
+
     def stop_member(self, member: Member, why: str) -> None: ...
 
     def decide(self, action: str, reason: str) -> None: ...

@@ -21,6 +21,8 @@ from pathlib import Path
 from hpcserve.core.config import DeploymentConfig, Layout
 from hpcserve.core.runstate import RunState
 from hpcserve.core.statuses import MemberRole, MemberStatus
+from hpcserve.deployment.preflight import walltime_check
+from hpcserve.deployment.runs import expected_start
 from hpcserve.endpoint.control.decisions import (
     END_DRAIN_S,
     Ending,
@@ -34,11 +36,9 @@ from hpcserve.endpoint.control.decisions import (
     projected_join,
     queue_estimate,
 )
-from hpcserve.deployment.preflight import walltime_check
-from hpcserve.deployment.runs import expected_start
-from hpcserve.endpoint.control.policies.scaling import MAX_FAILED_LAUNCHES
 from hpcserve.endpoint.control.members import Member, member_config, single_replica
 from hpcserve.endpoint.control.policies.base import ControlPlane
+from hpcserve.endpoint.control.policies.scaling import MAX_FAILED_LAUNCHES
 from hpcserve.planning.walltime import LOAD_BASE_S, WalltimeCheck
 from hpcserve.slurm.parse import slurm_epoch, time_limit_seconds
 from hpcserve.slurm.states import JobState
@@ -289,7 +289,7 @@ def recent_startups(members: list[Member], group: int | None) -> list[Startup]:
     """Measured startups, oldest join first (of one replica group, or of all)."""
     joined = [m for m in members if m.startup_s is not None and (group is None or m.group == group)]
     joined.sort(key=lambda m: m.launched + (m.ready_s or 0.0))
-    return [Startup(m.name, m.startup_s, m.under_load) for m in joined]
+    return [Startup(m.name, m.startup_s, m.under_load) for m in joined if m.startup_s is not None]
 
 
 def clock_text(epoch: float) -> str:

@@ -38,11 +38,12 @@ def member_status(run_dir: Path, member: str) -> MemberStatus | None:
     return None
 
 
-def retire(run_dir: Path, member: str, timeout_s: float, poll_s: float = 0.5) -> MemberStatus:
-    """Ask the endpoint's controller to take `member` out, and wait until it is stopped (its status then);
+def retire(run_dir: Path, member: str, timeout_s: float, poll_s: float = 0.5) -> MemberStatus | None:
+    """Ask the endpoint's controller to take `member` out, and wait until it is stopped (its status then;
+    None once state.json no longer lists it);
     UsageError when there is no such member or no controller runs to do it."""
     state = RunState.read(Path(run_dir))
-    names = [line.get("name") for line in state.members]
+    names = [str(line["name"]) for line in state.members if line.get("name") is not None]
     if member not in names:
         raise UsageError(f"the endpoint has no member {member!r}; its members: {', '.join(names) or 'none'} "
                          "(`hpcserve status NAME` lists them)")

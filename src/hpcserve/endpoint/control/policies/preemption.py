@@ -35,15 +35,17 @@ class Preemption:
                     self.act(ctl, member, notice)
 
     def act(self, ctl: ControlPlane, member: Member, notice: dict) -> None:
+        spec = self.spec
+        assert spec is not None and spec.burst is not None, "step acts only for a model with a burst partition"
         decision = decide_preemption(member.name, notice, ctl.job_now(member), time.time())
         ctl.decide(decision.action, decision.reason)
         ctl.drain_all([(url, f"{decision.action}: {member.name}'s job ends soon") for url in list(member.backends)])
         if decision.action != "preempted":
             return  # its time limit: the walltime handover has (or launches) its successor
-        placement = place_replica(self.spec, *ctl.placed(), replacing_preempted=True)
+        placement = place_replica(spec, *ctl.placed(), replacing_preempted=True)
         if placement is None:
             ctl.decide("replace preempted", f"{member.name}: no room on the main partition (autoscale.max "
-                       f"{self.spec.max}) nor the burst one (burst.max {self.spec.burst.max}): not replaced")
+                       f"{spec.max}) nor the burst one (burst.max {spec.burst.max}): not replaced")
             return
         successor = ctl.launch(MemberRole.REPLACEMENT, Layout(**member.layout), member.name, member.group,
                                placement.burst)

@@ -95,7 +95,7 @@ class Sleeper:
             return
         sleeper = next((m for m in ctl.members if m.status is MemberStatus.SLEEPING and m.name in self.asleep), None)
         how = decide_wake_how(sleeper.name if sleeper is not None else None)
-        if how.action == "wake up":
+        if how.action == "wake up" and sleeper is not None:
             ctl.decide("wake up", f"{decision.reason}; {how.reason}")
             self.waking_up[sleeper.name] = time.time()
             threading.Thread(target=self.wake_up, args=(ctl, sleeper), name=f"wake-{sleeper.name}", daemon=True).start()
@@ -162,12 +162,15 @@ class Sleeper:
 
     def release(self, ctl: ControlPlane, now: float) -> None:
         """A replica asleep for autoscale.release_after_s gives its allocation back (its job ends)."""
+        spec = self.spec
+        if spec is None:  # the model does not sleep: none is asleep
+            return
         for name, since in list(self.asleep.items()):
             member = next((m for m in ctl.members if m.name == name), None)
             if member is None or member.status is not MemberStatus.SLEEPING:
                 self.asleep.pop(name, None)
                 continue
-            decision = decide_release(self.spec.release_after_s, now - since)
+            decision = decide_release(spec.release_after_s, now - since)
             if decision.action == "release" and name not in self.waking_up:
                 ctl.decide("release", f"{name}: {decision.reason}")
                 self.asleep.pop(name, None)
@@ -185,17 +188,19 @@ class Sleeper:
         self.told = waking
 
     def state(self, ctl: ControlPlane, now: float) -> Waking:
+        spec = self.spec
+        assert spec is not None, "only a model that sleeps has a wake (step returns at once otherwise)"
         serving = bool(ctl.serving_backends())
         member = next((m for m in ctl.members if m.status is MemberStatus.LAUNCHING), None)
         if member is None and self.waking_up:  # a sleeping engine waking in its allocation: the engine starts
             name, since = next(iter(self.waking_up.items()))
-            return wake_state(self.spec.wake_wait_s, serving, (name, since), None, None, self.asleep_since, now)
+            return wake_state(spec.wake_wait_s, serving, (name, since), None, None, self.asleep_since, now)
         if not serving and member is None and self.told is not None and self.told.phase != "asleep":
             self.asleep_since = now
         job = ctl.job(member) if member is not None else None
         startups = recent_startups(ctl.members, None)
         startup_s = max(s.seconds for s in startups[-3:]) if startups else None
-        return wake_state(self.spec.wake_wait_s, serving, waking_member(member), job, startup_s,
+        return wake_state(spec.wake_wait_s, serving, waking_member(member), job, startup_s,
                           self.asleep_since, now, self.queue_position(ctl, member, job, now))
 
     def queue_position(self, ctl: ControlPlane, member: Member | None, job: JobInfo | None, now: float) -> int | None:
