@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import os
 import sqlite3
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -93,7 +94,7 @@ class SqliteStore:
         self._db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None,
                                    check_same_thread=False)
         try:
-            self._db.execute("PRAGMA journal_mode=WAL")
+            self._wal()
             # A commit is safe from a killed process without an fsync in WAL mode; only the host's crash can
             # lose the last ones (SQLite's "synchronous" documentation).
             self._db.execute("PRAGMA synchronous=NORMAL")
@@ -104,6 +105,19 @@ class SqliteStore:
         except BaseException:
             self._db.close()
             raise
+
+    def _wal(self) -> None:
+        """Write-ahead logging, set once per file. While another process switches a new file to it, SQLite
+        answers "database is locked" at once, without waiting the busy timeout: try again until it is done."""
+        deadline = time.monotonic() + BUSY_TIMEOUT_S
+        while True:
+            try:
+                self._db.execute("PRAGMA journal_mode=WAL")
+                return
+            except sqlite3.OperationalError as error:
+                if "locked" not in str(error) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
 
     def _create_file(self) -> None:
         """The file, 0600 from its first moment (SQLite gives its -wal and -shm files the same mode), never
