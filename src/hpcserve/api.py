@@ -17,7 +17,7 @@ package that does the work (docs/architecture.md shows the trip `up` makes throu
 
 from __future__ import annotations
 
-import sys
+import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -54,6 +54,8 @@ from hpcserve.tenancy.records import KeyRecord
 from hpcserve.tenancy.settings import database_url
 from hpcserve.tenancy.store import GroupBy, Store, UsageTotal, open_store
 
+log = logging.getLogger(__name__)
+
 
 @umask(PRIVATE_UMASK)  # run folders, their files and the registry's records: for their owner alone
 def up(config_path: str | Path | DeploymentConfig, on_event: Callable[[Event], None] | None = None,
@@ -81,7 +83,7 @@ def up(config_path: str | Path | DeploymentConfig, on_event: Callable[[Event], N
         try:
             stop_deployment(record)
         except HpcserveError as cleanup:  # report it, but the original failure is the news
-            print(f"while stopping after the failure: {cleanup}", file=sys.stderr)
+            log.error("while stopping after the failure: %s", cleanup)
         raise
     result.seconds = time.monotonic() - started
     if result.status is not RunStatus.READY:
