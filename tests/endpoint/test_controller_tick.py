@@ -24,7 +24,7 @@ from hpcserve.core.keys import ApiKey
 from hpcserve.core.registry import Record
 from hpcserve.core.runstate import RunStateWriter
 from hpcserve.core.statuses import MemberRole, MemberStatus, RunKind, RunStatus
-from hpcserve.endpoint.control.controller import Controller
+from hpcserve.endpoint.control.controller import Controller, percentiles_ms
 from hpcserve.endpoint.control.members import Member
 from hpcserve.endpoint.control.plane_client import RouterError
 from hpcserve.slurm.states import JobInfo
@@ -262,3 +262,9 @@ def test_a_step_that_fails_is_an_error_decision_and_the_rest_of_the_round_runs(e
     saved = json.loads((tmp_path / "endpoint" / "state.json").read_text())  # the round's end: state saved
     assert [d["action"] for d in saved["decisions"]].count("error") == len(errors)
 
+
+def test_the_round_times_in_state_json_are_percentiles_as_the_benchmarks_compute_them():
+    figures = percentiles_ms("round", [0.004, 0.001, 0.003, 0.002])
+    # Interpolated between order statistics (benchmark.stats.percentile): p50 of four is their middle two's mean
+    assert figures == {"rounds_kept": 4, "round_ms_p50": 2.5, "round_ms_p99": 3.97, "round_ms_max": 4.0}
+    assert percentiles_ms("step", [])["step_ms_p99"] is None
