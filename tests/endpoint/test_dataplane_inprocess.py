@@ -89,6 +89,7 @@ async def data_plane(folder: Path, hold_s: float = HOLD_S) -> AsyncIterator[Serv
     finally:
         await admin.cleanup()
         await plane.close()
+        socket_path.unlink(missing_ok=True)  # as serve() does: it may lie outside tmp_path (unix_socket_path)
 
 
 @asynccontextmanager
