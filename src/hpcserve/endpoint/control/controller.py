@@ -23,6 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
+from hpcserve.benchmark.stats import percentile
 from hpcserve.core.config import DeploymentConfig, Layout
 from hpcserve.core.errors import StageError
 from hpcserve.core.keys import handed_on
@@ -452,10 +453,10 @@ def control_figures(round_s: list[float], step_s: list[float], slurm_queries: in
 
 
 def percentiles_ms(name: str, durations: list[float]) -> dict:
-    ordered = sorted(durations)
-
+    """p50, p99 and the maximum in ms (None without durations), computed as the benchmarks compute theirs."""
     def at(q: float) -> float | None:
-        return round(1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2) if ordered else None
+        value = percentile(durations, q)
+        return round(1000 * value, 2) if value is not None else None
 
-    return {f"{name}s_kept": len(ordered), f"{name}_ms_p50": at(0.5), f"{name}_ms_p99": at(0.99),
-            f"{name}_ms_max": at(1.0)}
+    return {f"{name}s_kept": len(durations), f"{name}_ms_p50": at(50), f"{name}_ms_p99": at(99),
+            f"{name}_ms_max": at(100)}
