@@ -9,65 +9,29 @@ from __future__ import annotations
 
 import time
 
-import httpx
 import psutil
 import pytest
-from helpers import free_port
+import zero_endpoint
+from zero_endpoint import BODY, HTTP, decisions, endpoint_at_zero, state
 
-from hpcserve.core.config import parse_config
-from hpcserve.core.keys import choose_key
-from hpcserve.core.registry import forget, save_record
-from hpcserve.core.runstate import RunState
-from hpcserve.core.statuses import RunKind
-from hpcserve.deployment.runs import LocalRun
-from hpcserve.testing.endpoint import MEMBER_ENV
 from hpcserve.testing.harness import wait_until
 from hpcserve.testing.member import SLEEP_ENV
 
 NAME = "st-engine-sleep"
 KEY = "engine-sleep-test-key"
 HEADERS = {"Authorization": f"Bearer {KEY}"}
-BODY = {"model": "stub", "prompt": "hi", "max_tokens": 4}
-HTTP = httpx.Client(timeout=60, trust_env=False)
 RELEASE_AFTER_S = 6
 
 
 @pytest.fixture(scope="module")
 def endpoint(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("engine-sleep")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("HPCSERVE_ENGINE_SLEEP_KEY", KEY)
-    mp.setenv("HPCSERVE_HOME", str(directory / "home"))
-    raw = {"name": NAME, "model": {"path": "builtin:tiny-llama", "served_name": "stub"},
-           "cluster": {"scheduler": "local"}, "parallelism": {"replicas": 1},
-           "engine": {"env": {SLEEP_ENV: "1"}},
-           "serve": {"port": free_port(), "api_key_env": "HPCSERVE_ENGINE_SLEEP_KEY", "router_workers": 1},
-           "autoscale": {"min": 0, "max": 1, "idle_s": 2, "scale_down_after_s": 2, "wake_wait_s": 60,
-                         "release_after_s": RELEASE_AFTER_S},
-           "results_dir": str(directory)}
-    record = LocalRun.start(parse_config(raw), directory, "hpcserve.testing.endpoint", RunKind.ENDPOINT,
-                            choose_key("HPCSERVE_ENGINE_SLEEP_KEY", False), {MEMBER_ENV: "1"}).record
-    save_record(record)
-    try:
-        wait_until(lambda: state(record).status in ("ready", "failed"), 120, "the endpoint")
-        assert state(record).status == "ready"
-        yield record, state(record).endpoint_url
-    finally:
-        LocalRun(record).stop(timeout_s=60)
-        forget(NAME)
-        mp.undo()
-
-
-def state(record) -> RunState:
-    return RunState.read(record.run_dir)
-
-
-def decisions(record, action: str, since: float = 0.0) -> list:
-    return [d for d in state(record).decisions if d.action == action and d.time >= since]
+    with endpoint_at_zero(tmp_path_factory.mktemp("engine-sleep"), NAME, "HPCSERVE_ENGINE_SLEEP_KEY", KEY,
+                          autoscale={"release_after_s": RELEASE_AFTER_S}, engine={"env": {SLEEP_ENV: "1"}}) as running:
+        yield running
 
 
 def model_state(url: str) -> str:
-    return HTTP.get(f"{url}/v1/models/stub", headers=HEADERS).json()["state"]
+    return zero_endpoint.model_state(url, HEADERS)
 
 
 def alive(pid: int) -> bool:
