@@ -68,13 +68,14 @@ def record(path: str, pairs: list[str]) -> None:
         f.write(json.dumps(rec) + "\n")
 
 
-def logstats(path: str) -> dict:
+def logstats(path: str, patterns: dict[str, str] = LOG_PATTERNS) -> dict:
+    """A vLLM server log's figures (the last match of each pattern) and whether its compile cache hit."""
     try:
         text = Path(path).read_text(errors="replace")
     except OSError:
         return {"log": "missing"}
     out: dict = {}
-    for key, pat in LOG_PATTERNS.items():
+    for key, pat in patterns.items():
         m = re.findall(pat, text)
         if m:
             out[key] = float(m[-1].replace(",", ""))

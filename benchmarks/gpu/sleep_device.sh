@@ -40,7 +40,7 @@ pack) # BUNDLE CARRY (here)
   split -n 4 -a 1 --numeric-suffixes=1 "$T/bundle.tar" "$T/chunk."   # 4 equal pieces of ~52 MiB
   for i in 1 2 3 4; do mv "$T/chunk.$i" "$C/c$i/"; done
   sha256sum < "$T/bundle.tar" | cut -d' ' -f1 > "$C/c4/SHA256"
-  cp "$HERE"/sleep_device.sh "$HERE"/sleep_wake.py "$HERE"/model_folder.py "$HERE"/pagecache.py "$C/s/"
+  cp "$HERE"/sleep_device.sh "$HERE"/sleep_wake.py "$HERE"/device_util.py "$HERE"/model_folder.py "$HERE"/pagecache.py "$C/s/"
   du -sb "$C"/c[1-4] "$C"/s
   exit 0;;
 esac

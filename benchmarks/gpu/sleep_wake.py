@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+import device_util
 
 try:
     import psutil
@@ -55,15 +56,7 @@ ENV_COMMON = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", 
               "VLLM_ALLREDUCE_USE_SYMM_MEM": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1",
               "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
               "TOKENIZERS_PARALLELISM": "false", "VLLM_SERVER_DEV_MODE": "1"}
-LOG_PATTERNS = {
-    "weights_s": r"Loading weights took ([\d.]+) seconds",
-    "model_load_gib": r"Model loading took ([\d.]+) GiB",
-    "model_load_s": r"Model loading took [\d.]+ GiB(?: memory)? and ([\d.]+) seconds",
-    "compile_total_s": r"torch\.compile (?:and initial profiling/warmup run together )?took ([\d.]+) s in total",
-    "graph_capture_s": r"Graph capturing finished in ([\d.]+) secs",
-    "init_engine_s": r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+)",
-    "kv_cache_gib": r"Available KV cache memory: ([\d.]+) GiB",
-    "kv_cache_tokens": r"(?:GPU|CPU) KV cache size: ([\d,]+) tokens",
+SLEEP_PATTERNS = {  # what a server's log says of its sleeps, beside device_util's start figures
     "sleep_freed_gib": r"sleep freed ([\d.]+) GiB memory in total",
     "sleep_backed_up_gib": r"of which ([\d.]+) GiB is backed up in CPU",
 }
@@ -192,22 +185,11 @@ def pagecache(cmd: str, path: str) -> dict:
 
 
 def logstats(path: Path) -> dict:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return {"log": "missing"}
-    out: dict = {}
-    for key, pat in LOG_PATTERNS.items():
-        m = re.findall(pat, text)
-        if m:
-            out[key] = float(m[-1].replace(",", ""))
-    if "Directly load" in text or "Directly load the compiled graph" in text:
-        out["compile_cache"] = "miss" if "Compiling a graph for compile range" in text else "hit"
-    elif "Compiling a graph for compile range" in text:
-        out["compile_cache"] = "miss"
-    errs = [ln for ln in text.splitlines() if re.search(r"Traceback|ERROR|Error:", ln)]
-    if errs:
-        out["first_error"] = errs[0][-300:]
+    out = device_util.logstats(str(path), {**device_util.LOG_PATTERNS, **SLEEP_PATTERNS})
+    if "log" not in out:
+        errs = [ln for ln in path.read_text(errors="replace").splitlines() if re.search(r"Traceback|ERROR|Error:", ln)]
+        if errs:
+            out["first_error"] = errs[0][-300:]
     return out
 
 
