@@ -200,8 +200,9 @@ def test_prefix_routing_follows_what_the_engines_hold(engines):
 def test_prefills_wait_while_the_caches_are_taken_and_held_prefixes_go_first(engines):
     """Admission on real engines (endpoint/dataplane/admission.py): each engine's KV cache size read from its /metrics
     (as the controller's join does), the data plane allowed ~1.4 prompts of prefill in flight. A long stream
-    (A) is under way; another prompt (B) then waits in the data plane; a repeat of A's prompt (C) passes it
-    and is answered while B still waits; B goes once A ends (nothing else frees room)."""
+    (A) is under way; another prompt (B) then waits in the data plane (A's engine frozen until then, so that
+    a fast engine cannot end A first); a repeat of A's prompt (C) passes it and is answered while B still
+    waits; B goes once A ends (nothing else frees room)."""
     started, directory = engines
     urls = [url for _, url in started]
     from hpcserve.models.tiny import tiny_model_path
@@ -235,10 +236,18 @@ def test_prefills_wait_while_the_caches_are_taken_and_held_prefixes_go_first(eng
                                                         "ignore_eos": True, "stream": True}))
         a.start()
         assert under_way.wait(60), "A's stream did not start"
-        b = threading.Thread(target=send, args=("B", {"model": MODEL, "max_tokens": 1,
-                                                        "prompt": "another text of many words " * 20}))
-        b.start()
-        wait_until(lambda: waiting() == 1, 10, "B waiting in the data plane")
+        # A's engine stays frozen until B is seen waiting: however fast the engine, A is still in flight then
+        busy = [proc for proc, url in started
+                for b in router.backends_json()["backends"] if b["url"] == url and b["in_flight"]]
+        assert len(busy) == 1, "A's stream should be in flight on one engine"
+        os.killpg(busy[0].pid, signal.SIGSTOP)
+        try:
+            b = threading.Thread(target=send, args=("B", {"model": MODEL, "max_tokens": 1,
+                                                            "prompt": "another text of many words " * 20}))
+            b.start()
+            wait_until(lambda: waiting() == 1, 10, "B waiting in the data plane")
+        finally:
+            os.killpg(busy[0].pid, signal.SIGCONT)
         send("C", {"model": MODEL, "prompt": text_a + "and one more question", "max_tokens": 1})
         assert "A" not in ended, "A ended before C was answered: the test needs a longer stream"
         assert waiting() == 1 and "B" not in ended  # C went before B, which still waits for room
