@@ -13,11 +13,12 @@ import pytest
 from hpcserve.core.keys import read_key_file
 from hpcserve.core.net import UNIX_PATH_MAX, unix_socket_path
 from hpcserve.core.statuses import Routing
+from hpcserve.endpoint.control.plane_client import dataplane_argv
+from hpcserve.endpoint.control.rotation import Rotation, next_saturated, saturated_now
 from hpcserve.endpoint.dataplane import wire
 from hpcserve.endpoint.dataplane.routing import choose
 from hpcserve.endpoint.dataplane.routing.least_loaded import least_loaded
 from hpcserve.endpoint.dataplane.routing.prefix import within_share
-from hpcserve.endpoint.dataplane.routing.table import Affinity, Backend, RoutingTable
 from hpcserve.endpoint.dataplane.routing.prefix_index import (
     BLOCK_CHARS,
     DEFAULT_BLOCKS,
@@ -27,8 +28,7 @@ from hpcserve.endpoint.dataplane.routing.prefix_index import (
     prompt_blocks,
     prompt_text,
 )
-from hpcserve.endpoint.control.rotation import Rotation, next_saturated, saturated_now
-from hpcserve.endpoint.control.plane_client import dataplane_argv
+from hpcserve.endpoint.dataplane.routing.table import Affinity, Backend, RoutingTable
 from hpcserve.endpoint.protocol import BackendSpec, backends_from_json, in_flight_to
 from hpcserve.engine.capacity import DEFAULT_MAX_NUM_SEQS, max_num_seqs
 from hpcserve.engine.metrics import EngineLoad
@@ -330,6 +330,21 @@ def test_admin_socket_path_falls_back_when_the_run_folder_is_too_deep(tmp_path):
     fallback = unix_socket_path(deep, uid=1234)
     assert fallback == unix_socket_path(deep, uid=1234) and fallback.parent.name == "hpcserve-1234"
     assert len(str(fallback)) <= UNIX_PATH_MAX
+
+
+def test_down_removes_a_fallback_admin_socket_and_its_folder_once_empty(tmp_path):
+    from hpcserve.core.paths import RunPaths
+    from hpcserve.endpoint.control.run import remove_admin_socket
+    from hpcserve.endpoint.dataplane.server import bind_admin_socket
+
+    paths = RunPaths(tmp_path / ("d" * 120))
+    socket_path = paths.router_admin
+    assert paths.root not in socket_path.parents
+    bind_admin_socket(socket_path).close()
+    remove_admin_socket(paths)
+    assert not socket_path.exists()
+    # the user's other deployments (tests beside this one) may still have sockets there
+    assert not socket_path.parent.exists() or any(socket_path.parent.iterdir())
 
 
 def test_key_file_readable_by_others_is_refused(tmp_path):

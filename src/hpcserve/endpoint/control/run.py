@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,10 +121,14 @@ def stop_endpoint(record: Record, timeout_s: float) -> list[int]:
 def remove_admin_socket(paths: RunPaths) -> None:
     """The stopped data plane's admin socket, when it lay outside the run folder (/tmp/hpcserve-UID/ for a
     run folder too deep for a socket path): `down` leaves nothing of the deployment outside its results
-    folder. The folder itself is shared by the user's deployments, and stays."""
+    folder. The folder is shared by the user's deployments: it goes only when none has a socket there."""
     socket = paths.router_admin
-    if paths.root not in socket.parents and socket.is_socket():
+    if paths.root in socket.parents:
+        return
+    if socket.is_socket():
         socket.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):  # not empty: another deployment of this user serves from it
+        socket.parent.rmdir()
 
 
 def stop_deployment(record: Record, timeout_s: float = 90.0) -> list[int]:

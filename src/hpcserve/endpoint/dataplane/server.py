@@ -150,7 +150,11 @@ def bind_admin_socket(path: Path) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     previous = os.umask(0o177)
     try:
-        sock.bind(str(path))
+        try:
+            sock.bind(str(path))
+        except FileNotFoundError:  # another deployment's `down` removed the shared, empty folder just now
+            private_dir(path.parent)
+            sock.bind(str(path))
     finally:
         os.umask(previous)
     os.chmod(path, 0o600)
