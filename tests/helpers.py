@@ -119,7 +119,7 @@ def streamed(base_url: str, body: dict, key: str, timeout: float = 300,
     """A streamed completion or chat, read whole: its text, finish_reason, events, whether [DONE] came, and
     any error event (what a client of the endpoint sees)."""
     times, lines = stream_times(base_url, body, key, timeout, under_way)
-    text, finish, errors = [], None, []
+    text, ids, finish, errors = [], [], None, []
     for line in lines:
         payload = line[len("data:"):].strip()
         if payload == "[DONE]":
@@ -129,6 +129,7 @@ def streamed(base_url: str, body: dict, key: str, timeout: float = 300,
             errors.append(event["error"])
         for choice in event.get("choices") or []:
             text.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+            ids.extend(choice.get("token_ids") or [])  # where the body asked for them (return_token_ids)
             finish = choice.get("finish_reason") or finish
-    return {"text": "".join(text), "finish": finish, "events": len(lines), "done": lines[-1:] == ["data: [DONE]"],
-            "errors": errors, "seconds": times[-1] if times else 0.0}
+    return {"text": "".join(text), "ids": ids, "finish": finish, "events": len(lines),
+            "done": lines[-1:] == ["data: [DONE]"], "errors": errors, "seconds": times[-1] if times else 0.0}
