@@ -32,8 +32,8 @@ NAME = "sb-leftovers"
 
 
 # Other programs on this machine write into /tmp meanwhile (pip, mktemp, the test runner, the tools that
-# run these tests): not the deployment's.
-NOT_OURS = ("pip-", "tmp", "bash_", "pytest-of-")
+# run these tests, valgrind's gdb pipes of a profiler run beside them): not the deployment's.
+NOT_OURS = ("pip-", "tmp", "bash_", "pytest-of-", "vgdb-pipe-")
 
 
 def tmp_entries() -> set[str]:
