@@ -10,7 +10,7 @@ both were running, from each client's own per-request records (a client alone on
 comparing whole runs compared how long each ran alone; CI saw a pair at 1.57x from that). TTFT likewise,
 over the requests each client sent inside that window (vllm bench's requests sent while it ran alone met
 half the load: its median TTFT looked 0.7x ours, and a clean-clone run failed on it). Repeated PAIRS
-times; medians.
+times (one in the suite); medians.
 """
 
 from __future__ import annotations
@@ -34,7 +34,10 @@ THEIR_PROMPTS = 200  # vllm bench's run spans ours (which starts a few seconds i
 MIN_WINDOW_S = 3.0
 # Closed loop (fixed concurrency, no request rate): with Poisson arrivals the throughput of N requests is
 # set by the sampled arrival span (+-9% for N=120), and the two tools draw different samples.
-PAIRS = 3  # odd: the median is one pair, not an average of two (each pair starts a `vllm bench` process: ~30 s)
+# Each pair starts a `vllm bench` process (~20 s) while the other worker idles: one pair, whose throughput
+# ratios have stayed within 2 % of 1 (pairs 0.997, 0.997, 1.007) and TTFT's within its bounds (0.82-1.22);
+# HPCSERVE_BENCH_PAIRS=3 takes the median of three.
+PAIRS = int(os.environ.get("HPCSERVE_BENCH_PAIRS", "1"))
 # Closed loop on 2 cores shared by the server and both clients: how fast a client turns a finished request
 # into the next one lands in its throughput. Measured here (median of 3 pairs): 0.99-1.01 with our client
 # in the pytest process on an idle machine, 0.90 in CI's full run (the pytest process after 700 tests),
