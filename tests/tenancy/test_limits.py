@@ -48,7 +48,7 @@ def test_keys_are_split_and_checked_by_their_hash():
     key_id, secret = split_key(key.encode())
     assert key_id == record.key_id and matches(record, secret)
     assert not matches(record, secret + b"x") and not matches(None, secret)
-    assert key.split("_")[2] not in repr(record) and record.digest != secret
+    assert secret.decode() not in repr(record) and record.digest != secret  # the secret may hold "_" itself
     for bad in (b"hps_short_x", b"sk-something", b"hps__", b"hps_" + b"0" * 16):
         assert split_key(bad) is None
 
