@@ -354,8 +354,8 @@ class Record:
 
 
 PROMPT_IDS = b'"prompt_token_ids":['
-TOKEN_IDS = b'"token_ids":['  # the opening quote: never inside "prompt_token_ids"
-TOKEN_ID_LISTS = re.compile(rb'"token_ids":\[([^\]]*)\]')  # each list's contents (a list of ints holds no ']')
+# Each generated list's contents: the opening quote is never inside "prompt_token_ids", a list of ints holds no ']'.
+TOKEN_ID_LISTS = re.compile(rb'"token_ids":\[([^\]]*)\]')
 
 
 def ids_in(lists: list[bytes]) -> int:
