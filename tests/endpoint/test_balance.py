@@ -169,6 +169,10 @@ def test_headers_drop_hop_by_hop_ones_and_keep_the_rest():
                                    ("Content-Length", "3"), ("Expect", "100-continue"), ("X-Request-Id", "r1"),
                                    ("Accept", "a"), ("Accept", "b")])
     assert sent == {"Authorization": "Bearer k", "X-Request-Id": "r1", "Accept": "a, b"}
+    own = wire.forwarded_headers([("authorization", "Bearer user-key"), ("X-Request-Id", "r1")],
+                                 {"Authorization": "Bearer deployment-key"})  # tenants: the user's key stays here
+    assert own == {"X-Request-Id": "r1", "Authorization": "Bearer deployment-key"}
+    assert wire.forwarded_headers([("Authorization", "Bearer user-key")], {}) == {}  # an endpoint without a key
     back = wire.returned_headers([("Content-Type", "text/event-stream"), ("Transfer-Encoding", "chunked"),
                                   ("Server", "uvicorn"), ("x-request-id", "r1")])
     assert back == [("Content-Type", "text/event-stream"), ("x-request-id", "r1")]

@@ -370,6 +370,15 @@ def test_a_records_token_counts_are_its_parsed_progress_without_parsing():
     assert no_ids.token_counts() == (None, None)
 
 
+def test_token_ids_are_counted_in_lists_of_any_length_across_events():
+    assert m.ids_in([b"79", b"", b"1,2,3", b"4, 5"]) == 1 + 0 + 3 + 2
+    record = m.Record(m.Kind.COMPLETION)
+    record.add(b'data: {"choices":[{"index":0,"text":"a b","prompt_token_ids":[1,2,3],"token_ids":[7,8]}]}\n\n'
+               b'data: {"choices":[{"index":0,"text":"","prompt_token_ids":null,"token_ids":[]}]}\n\n')
+    record.add(b'data: {"choices":[{"index":0,"text":"c","prompt_token_ids":null,"token_ids":[9]}]}\n\ndata: [DONE]\n\n')
+    assert record.token_counts() == (3, 3)
+
+
 # ------------------------------------------------------------------ what may migrate
 
 def test_prepare_asks_for_token_ids_and_keeps_what_it_needs():

@@ -159,6 +159,18 @@ def test_every_request_has_its_usage_row_and_its_projects_counters(plane):
     assert project_tokens(router, "physics") == counted + 15  # /metrics, summed over both workers
 
 
+def test_a_streams_usage_row_counts_the_token_ids_it_carried(plane):
+    router, store, _ = plane
+    key, _ = add_key(store, "heidi", project="bio")
+    known(router, key)
+    since = time.time()
+    answers = [post(router, key, {"prompt": "stream me", "max_tokens": 4, "stream": True}) for _ in range(2)]
+    assert all(a.status_code == 200 and '"token_ids":null' in a.text for a in answers)  # stripped for the client
+    wait_until(lambda: len([r for r in store.rows(since) if r.user == "heidi"]) == 2, 10, "heidi's two rows")
+    # the stand-in's prompt ids are its UTF-8 bytes; one id per token
+    assert {(r.prompt_tokens, r.completion_tokens) for r in store.rows(since) if r.user == "heidi"} == {(9, 4)}
+
+
 def project_tokens(router: Router, project: str) -> float:
     wanted = f'hpcserve_project_tokens_total{{kind="completion",project="{project}"}}'
     return sum(float(line.split()[-1]) for line in router.metrics().splitlines() if line.startswith(wanted))

@@ -69,13 +69,14 @@ def missing_max_tokens(limits: Limits, data: dict | None) -> int | None:
 def rate_hit(limits: Limits, window: Window, now: float) -> LimitHit | None:
     """A rate this request would pass (counted as one more request), else None."""
     into = (now % 60) / 60  # the part of the current minute gone
+    weight = 1 - into  # of the previous minute in the sliding one
     if limits.requests_per_minute is not None:
-        used = _sliding(window.previous_requests, window.requests, into)
+        used = window.previous_requests * weight + window.requests
         if used + 1 > limits.requests_per_minute:
             wait = _until_below(window.previous_requests, window.requests, into, limits.requests_per_minute - 1)
             return _rate(limits.requests_per_minute, "requests_per_minute", "requests in the last minute", wait)
     if limits.tokens_per_minute is not None:
-        used = _sliding(window.previous_tokens, window.tokens, into)
+        used = window.previous_tokens * weight + window.tokens
         if used >= limits.tokens_per_minute:
             wait = _until_below(window.previous_tokens, window.tokens, into, limits.tokens_per_minute - 1)
             return _rate(limits.tokens_per_minute, "tokens_per_minute", "tokens in the last minute", wait)
@@ -89,10 +90,6 @@ def _rate(limit: int, name: str, what: str, wait_s: float, when: str = "") -> Li
     seconds = max(1, math.ceil(wait_s))
     return LimitHit(429, name, f"rate limit {name} = {limit} reached ({what}): it resets {when}in {seconds} s",
                     seconds)
-
-
-def _sliding(previous: int, current: int, into: float) -> float:
-    return previous * (1 - into) + current
 
 
 def _until_below(previous: int, current: int, into: float, most: float) -> float:

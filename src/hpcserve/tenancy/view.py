@@ -46,6 +46,7 @@ class Tenant:
     limits: Limits
     models: tuple[str, ...] | None = None
     rated: bool = True  # limited by a rate (the owner's key never is)
+    capped: bool = True  # some cap on what one request asks for (n, best_of, max_tokens)
 
     def allows_model(self, model: str | None) -> bool:
         return self.models is None or model in self.models
@@ -141,8 +142,9 @@ def minute_of(epoch_s: float) -> int:
     return int(epoch_s // 60)
 
 
-def row_tokens(row: UsageRow) -> int:
-    return (row.prompt_tokens or 0) + (row.completion_tokens or 0)
+def capped(limits: Limits) -> bool:
+    """Whether these limits cap what one request asks for (else a request's JSON needs no look for them)."""
+    return limits.max_n is not None or limits.max_best_of is not None or limits.max_tokens is not None
 
 
 class TenantView:
@@ -154,7 +156,7 @@ class TenantView:
         """shares: projects' fair-share weights (the data plane's admission reads them)."""
         self.open_store, self.base_limits, self.shares = open_store, base_limits, dict(shares or {})
         self.owner = KeyCheck(owner_key) if owner_key else None
-        self.owner_tenant = Tenant(OWNER_KEY_ID, OWNER, None, base_limits, rated=False)
+        self.owner_tenant = Tenant(OWNER_KEY_ID, OWNER, None, base_limits, rated=False, capped=capped(base_limits))
         self.flush_s, self.poll_s = flush_s, poll_s
         self.keys: dict[str, KeyRecord] = {}
         self.tenants: dict[str, Tenant] = {}  # per key id, its limits merged over the base ones once
@@ -186,7 +188,7 @@ class TenantView:
         return self.tenants[key_id]
 
     def check(self, tenant: Tenant, data: dict | None, now: float) -> LimitHit | None:
-        hit = cap_hit(tenant.limits, data)
+        hit = cap_hit(tenant.limits, data) if tenant.capped else None
         if hit is None and tenant.rated:
             hit = rate_hit(tenant.limits, self.meter.window(tenant.key_id, now), now)
         return hit
@@ -195,13 +197,13 @@ class TenantView:
         limits = self.base_limits.merged(record.limits)
         rated = any(v is not None for v in (limits.requests_per_minute, limits.tokens_per_minute,
                                             limits.tokens_per_day))
-        return Tenant(record.key_id, record.user, record.project, limits, record.models, rated)
+        return Tenant(record.key_id, record.user, record.project, limits, record.models, rated, capped(limits))
 
     def began(self, tenant: Tenant, started_at: float) -> None:
-        self.meter.began(tenant.key_id, minute_of(started_at))
+        self.meter.began(tenant.key_id, int(started_at // 60))  # the epoch minute (minute_of), inline on the hot path
 
     def ended(self, row: UsageRow) -> None:
-        self.meter.ended(row.key_id, minute_of(row.started_at), row_tokens(row))
+        self.meter.ended(row.key_id, int(row.started_at // 60), (row.prompt_tokens or 0) + (row.completion_tokens or 0))
         self.rows.append(row)
 
     # ------------------------------------------------------------------ the thread

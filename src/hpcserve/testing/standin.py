@@ -84,13 +84,19 @@ def completion_body(name: str, chat: bool, text: str, tokens: int) -> dict:
             "usage": {"prompt_tokens": 1, "completion_tokens": tokens, "total_tokens": tokens + 1}}
 
 
+def compact(data) -> str:
+    """JSON as vLLM writes its answers (pydantic's model_dump_json, starlette's JSONResponse): no spaces. The data
+    plane reads some fields as bytes (sse.strip_ids, migration.Record.token_counts), as they come from vLLM."""
+    return json.dumps(data, separators=(",", ":"))
+
+
 def chunk_line(name: str, chat: bool, text: str, ids: dict | None = None) -> bytes:
     """One SSE `data:` event carrying one token; ids: a completion's token ids as vLLM sends them with
     return_token_ids ({"prompt_token_ids": [...] or None, "token_ids": [...]}). Pure."""
     choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text, **(ids or {})}
     body = {"id": "cmpl-stub", "object": "chat.completion.chunk" if chat else "text_completion",
             "model": "stub", "system_fingerprint": name, "choices": [choice]}
-    return b"data: " + json.dumps(body).encode() + b"\n\n"
+    return b"data: " + compact(body).encode() + b"\n\n"
 
 
 # ------------------------------------------------------------------ /metrics
@@ -313,7 +319,7 @@ async def _answer(request: web.Request, body: dict, chat: bool) -> web.StreamRes
             finished(request.app, answer, started, time.perf_counter())
             whole = completion_body(name, chat, "".join(answer.pieces), tokens)
             whole.update(model=config["model"], usage=answer.usage)
-            return web.json_response(whole, headers={"x-backend": name})
+            return web.json_response(whole, headers={"x-backend": name}, dumps=compact)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "x-backend": name})
         await response.prepare(request)
         if answer.first_delay_s:
@@ -329,7 +335,7 @@ async def _answer(request: web.Request, body: dict, chat: bool) -> web.StreamRes
             await response.write(chunk_line(name, chat, piece, ids))
         if (body.get("stream_options") or {}).get("include_usage"):
             usage = {"id": "cmpl-stub", "model": config["model"], "choices": [], "usage": answer.usage}
-            await response.write(b"data: " + json.dumps(usage).encode() + b"\n\n")
+            await response.write(b"data: " + compact(usage).encode() + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
         if config["end_delay_s"]:  # vLLM's server under load: the body's end comes a little after [DONE]
             await asyncio.sleep(config["end_delay_s"])

@@ -82,7 +82,7 @@ class FairQueue:
         return min(names, key=self.start)  # min keeps the first of equals: the caller lists oldest first
 
     def served(self, name: str) -> None:
-        self.now = self.start(name)
+        self.now = max(self.now, self.finish.get(name, 0.0))  # start(name), inline: once per request and queue
         self.finish[name] = self.now + 1.0 / self.weights.get(name, 1.0)
         if len(self.finish) > 4 * 4096:  # names long gone: their tags are behind now and mean nothing
             self.finish = {n: f for n, f in self.finish.items() if f > self.now}

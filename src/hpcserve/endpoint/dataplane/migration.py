@@ -29,6 +29,7 @@ What vLLM sends (0.32 measured on CPU, 0.26 read in its source: the same fields 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -333,20 +334,16 @@ class Record:
         more CPU per streamed request). None where the ids were not there."""
         folded = self._progress
         prompt = len(folded.prompt_ids) if folded.prompt_ids is not None else None
-        generated, seen = len(folded.ids), bool(folded.ids) or folded.prompt_ids is not None
-        for events in self._raw:
-            at = events.find(PROMPT_IDS)
-            if prompt is None and at >= 0:
-                prompt, seen = _list_length(events, at + len(PROMPT_IDS)), True
-            at = events.find(TOKEN_IDS)
-            while at >= 0:
-                start = at + len(TOKEN_IDS)
-                generated += _list_length(events, start)
-                seen = True
-                at = events.find(TOKEN_IDS, start)
-        if folded.missing_ids or not seen:
+        # The events not folded yet, scanned as one piece: a handful of calls per stream rather than a few per
+        # event (per event, this cost as much as the rest of tenancy's work on a request).
+        raw = b"".join(self._raw)
+        if prompt is None:
+            at = raw.find(PROMPT_IDS)
+            prompt = _list_length(raw, at + len(PROMPT_IDS)) if at >= 0 else None
+        lists = TOKEN_ID_LISTS.findall(raw)
+        if folded.missing_ids or not (folded.ids or prompt is not None or lists):
             return prompt, None
-        return prompt, generated
+        return prompt, len(folded.ids) + ids_in(lists)
 
     def _absorb(self) -> None:
         for events in self._raw:
@@ -357,7 +354,13 @@ class Record:
 
 
 PROMPT_IDS = b'"prompt_token_ids":['
-TOKEN_IDS = b'"token_ids":['  # the opening quote: never inside "prompt_token_ids"
+# Each generated list's contents: the opening quote is never inside "prompt_token_ids", a list of ints holds no ']'.
+TOKEN_ID_LISTS = re.compile(rb'"token_ids":\[([^\]]*)\]')
+
+
+def ids_in(lists: list[bytes]) -> int:
+    """How many integers the contents of these JSON lists of integers hold (each: none, or its commas + 1). Pure."""
+    return len(lists) - lists.count(b"") + b"".join(lists).count(b",")
 
 
 def _list_length(data: bytes, start: int) -> int:

@@ -243,7 +243,8 @@ class DataPlane:
         if request.method == "GET" and self.rooms.named and target.startswith("/v1/models"):
             return self.list_models(target)
         room = self.rooms.sole  # one model: no look at the body for it
-        headers = wire.forwarded_headers(request.headers.items())
+        # With tenants the engines get the deployment's key in place of the user's.
+        headers = wire.forwarded_headers(request.headers.items(), self.engine_auth if tenant is not None else None)
         # With tenants, streams carry their token ids (migration.prepare) so that their usage is counted.
         migrates = (self.settings.migrations > 0 or tenant is not None) and request.method == "POST"
         parse = body and (room is None or room.prefix or migrates or tenant is not None)
@@ -255,7 +256,6 @@ class DataPlane:
                 raise Refusal(no.status, no.body) from None
         if tenant is not None:
             body, data = self.admit_tenant(request, tenant, target, body, data)
-            headers = wire.with_authorization(headers, self.engine_auth)
         affinity = None
         if room.prefix:  # prompts are tokenized only while some engine's KV events are followed
             affinity = wire.request_affinity(request.headers, data, room.tokenizer if room.pool.exact else None)
@@ -283,7 +283,7 @@ class DataPlane:
         if hit is not None:
             status, answer, _ = limit_refusal(hit)
             raise Refusal(status, answer, retry_after=hit.retry_after_s if hit.retry_after_s is not None else False)
-        cap = missing_max_tokens(tenant.limits, data)
+        cap = missing_max_tokens(tenant.limits, data) if tenant.capped else None
         if cap is not None and data is not None:  # a cap only for a request's JSON
             data = {**data, "max_tokens": cap}
             body = json.dumps(data).encode()

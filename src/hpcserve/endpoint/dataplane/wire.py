@@ -22,6 +22,7 @@ KEY_HEADERS = ("x-session-id", "x-user-id")  # what vLLM-router's consistent_has
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
                         "te", "trailer", "transfer-encoding", "upgrade"})
 NOT_FORWARDED = HOP_BY_HOP | {"host", "content-length", "expect"}
+NOT_FORWARDED_WITH_OWN_KEY = NOT_FORWARDED | {"authorization"}  # the data plane sends the engines its own key
 NOT_RETURNED = HOP_BY_HOP | {"content-length", "date", "server"}
 
 
@@ -114,23 +115,21 @@ def too_many_connections(limit: int) -> bytes:
 
 # ------------------------------------------------------------------ headers
 
-def forwarded_headers(headers: Iterable[tuple[str, str]]) -> dict[str, str]:
+def forwarded_headers(headers: Iterable[tuple[str, str]], authorization: dict[str, str] | None = None
+                      ) -> dict[str, str]:
     """The client's headers the engine gets: all but hop-by-hop ones (the key included: the engines
-    check the same key). Repeated headers are joined, as RFC 9110 allows for list-valued fields."""
+    check the same key). Repeated headers are joined, as RFC 9110 allows for list-valued fields.
+    authorization: the engines' own Authorization header, sent in place of the client's (any case) where a
+    user's key must stay here (tenants); replaced in the same pass, not in a second copy of the headers."""
+    dropped = NOT_FORWARDED if authorization is None else NOT_FORWARDED_WITH_OWN_KEY
     out: dict[str, str] = {}
     for name, value in headers:
         lower = name.lower()
-        if lower in NOT_FORWARDED:
+        if lower in dropped:
             continue
         out[name] = f"{out[name]}, {value}" if name in out else value
-    return out
-
-
-def with_authorization(headers: dict[str, str], authorization: dict[str, str]) -> dict[str, str]:
-    """Forwarded headers with the client's Authorization (any case) replaced: a user's own key stays here,
-    the engines get the deployment's."""
-    out = {name: value for name, value in headers.items() if name.lower() != "authorization"}
-    out.update(authorization)
+    if authorization:
+        out.update(authorization)
     return out
 
 
