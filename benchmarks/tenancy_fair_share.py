@@ -115,7 +115,10 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     with workspace("hpcserve-fair-bench-") as here:
-        engines, urls = start_engines(here.folder, extra=("--max-num-seqs", str(args.max_num_seqs)))
+        # Eager: compiled, each new batch shape stalled its engine for seconds (tokens/s 10-47 over the first
+        # minutes, B's TTFT alone 0.56 s in the first mode and 0.03 s in the second), so the modes' phases
+        # were not comparable.
+        engines, urls = start_engines(here.folder, extra=("--max-num-seqs", str(args.max_num_seqs), "--enforce-eager"))
         here.processes += engines
         key_file = here.key_file(KEY)
         database = here.folder / "tenancy.sqlite"
