@@ -78,12 +78,15 @@ def start_engines(directory: Path, cores: tuple[int, ...] = (0, 1), extra: tuple
     from hpcserve.models.tiny import tiny_model_path
 
     procs, urls = [], []
+    tmp = directory / "t"  # vLLM's IPC sockets and its other temporary files: gone with the run's folder
+    tmp.mkdir(mode=0o700, exist_ok=True)
     for core in cores:
         port = free_port()
         argv = [sys.executable, "-m", "hpcserve.engine.vllm_cli", "serve", str(tiny_model_path()),
                 "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
                 "--max-model-len", "512", *extra]
-        env = {"VLLM_API_KEY": KEY, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core)}
+        env = {"VLLM_API_KEY": KEY, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core),
+               "TMPDIR": str(tmp)}
         procs.append(spawn(argv, directory / f"engine-{core}.log", env))
         urls.append(f"http://127.0.0.1:{port}")
     for url in urls:
