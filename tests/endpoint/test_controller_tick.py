@@ -24,10 +24,10 @@ from hpcserve.core.keys import ApiKey
 from hpcserve.core.registry import Record
 from hpcserve.core.runstate import RunStateWriter
 from hpcserve.core.statuses import MemberRole, MemberStatus, RunKind, RunStatus
+from hpcserve.deployment.runs import WithoutSlurmJob
 from hpcserve.endpoint.control.controller import Controller, percentiles_ms
 from hpcserve.endpoint.control.members import Member
 from hpcserve.endpoint.control.plane_client import RouterError
-from hpcserve.slurm.states import JobInfo
 from hpcserve.testing.standin import STATS, MetricsPage, make_app
 
 KEY = "controller-key"
@@ -60,7 +60,7 @@ class Engines:
 
 
 @dataclass
-class StandinRun:
+class StandinRun(WithoutSlurmJob):
     """A member's run (deployment.runs.Run): gone once the test ends it; stopped when the controller says."""
 
     launcher: StandinMembers
@@ -72,15 +72,6 @@ class StandinRun:
     def stop(self, timeout_s: float = 90.0, grace_s: float = 0.0) -> list[int]:
         self.launcher.stopped.append(self.name)
         return []
-
-    def queue_line(self) -> str | None:
-        return None
-
-    def info(self) -> JobInfo | None:
-        return None
-
-    def info_now(self) -> JobInfo | None:
-        return None
 
 
 @dataclass

@@ -96,6 +96,19 @@ class Run(Protocol):
         ...
 
 
+class WithoutSlurmJob:
+    """A Run's Slurm side where there is no job (a process here, a test's stand-in): nothing queued, no job."""
+
+    def queue_line(self) -> str | None:
+        return None
+
+    def info(self) -> JobInfo | None:
+        return None
+
+    def info_now(self) -> JobInfo | None:
+        return None
+
+
 class Launcher(Protocol):
     """How an endpoint's members are started and found again. Runs is the product's; tests and
     benchmarks hand the controller one of their own (stand-in members)."""
@@ -176,7 +189,7 @@ PID_REUSE_S = 10.0
 
 
 @dataclass
-class LocalRun:
+class LocalRun(WithoutSlurmJob):
     """A detached process here: it outlives the command that started it and the terminal it ran in."""
 
     record: Record
@@ -262,16 +275,6 @@ class LocalRun:
         """What `status` says of the process."""
         where = f" on {self.elsewhere()} (not checked from here: run `hpcserve status` there)" if self.elsewhere() else ""
         return f"{self.record.kind} pid {self.record.driver_pid}{where}"
-
-    def queue_line(self) -> str | None:
-        return None
-
-    def info(self) -> JobInfo | None:
-        """No Slurm job."""
-        return None
-
-    def info_now(self) -> JobInfo | None:
-        return None
 
     def stop(self, timeout_s: float = 90.0, grace_s: float = 0.0) -> list[int]:
         """SIGTERM (the driver stops engines, then Ray, in order); whatever the orderly stop missed is

@@ -25,8 +25,7 @@ from hpcserve.core.paths import RunPaths
 from hpcserve.core.registry import Record
 from hpcserve.core.runstate import RunStateWriter
 from hpcserve.core.statuses import RunKind, RunStatus, Stage
-from hpcserve.deployment.runs import config_yaml
-from hpcserve.slurm.states import JobInfo
+from hpcserve.deployment.runs import WithoutSlurmJob, config_yaml
 
 
 class FarmClient:
@@ -103,7 +102,7 @@ def ready(writer: RunStateWriter, url: str, model: str) -> None:
 
 
 @dataclass
-class StandinRun:
+class StandinRun(WithoutSlurmJob):
     record: Record
     runs: StandinRuns
 
@@ -119,11 +118,3 @@ class StandinRun:
         RunStateWriter(Path(self.record.run_dir)).update(status=RunStatus.STOPPED)
         return []
 
-    def queue_line(self) -> str | None:
-        return None
-
-    def info(self) -> JobInfo | None:
-        return None
-
-    def info_now(self) -> JobInfo | None:
-        return None
