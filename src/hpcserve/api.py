@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hpcserve.core.config import DeploymentConfig, load_config
-from hpcserve.core.errors import HpcserveError, NotFoundError, UsageError
+from hpcserve.core.errors import ConfigError, HpcserveError, NotFoundError, UsageError
 from hpcserve.core.files import read_json
 from hpcserve.core.keys import choose_key, read_api_key, remove_secrets
 from hpcserve.core.osenv import PRIVATE_UMASK, umask
@@ -68,6 +68,9 @@ def up(config_path: str | Path | DeploymentConfig, on_event: Callable[[Event], N
     if adoptable(cfg.name):
         return adopt(cfg.name, cfg, on_event)
     source = cfg.name if isinstance(config_path, DeploymentConfig) else str(config_path)
+    swap_problem = swap_refusal(cfg)
+    if swap_problem:
+        raise ConfigError(f"{source}: {swap_problem}")
     prepared = prepare(cfg, source)
     results = Path(cfg.results_dir).resolve()
     # A model that joins another endpoint takes its key: the data plane passes clients' keys to the engines.
@@ -89,6 +92,18 @@ def up(config_path: str | Path | DeploymentConfig, on_event: Callable[[Event], N
     if result.status is not RunStatus.READY:
         stop_deployment(record)
     return result
+
+
+def swap_refusal(cfg: DeploymentConfig) -> str | None:
+    """Why `up` cannot run this config's swap (None: no swap, or it can). Not in the schema: a member's config
+    keeps swap (its models' engines) without a router of its own, and stand-in members start swapped engines."""
+    if cfg.swap is None:
+        return None
+    if not cfg.serve.router:
+        return "swap puts models to sleep and wakes them by demand at the endpoint: it needs serve.router true"
+    return ("swap is not run by the vLLM driver yet: it starts one engine per member, not one per model on the "
+            "same GPUs (the endpoint's swap is tested with stand-in engines only, docs/endpoint.md); remove swap, "
+            "or serve the other models as joined deployments (serve.join)")
 
 
 @umask(PRIVATE_UMASK)

@@ -295,6 +295,36 @@ class AutoscaleSpec(Strict):
         return self.max + (self.burst.max if self.burst else 0)
 
 
+# A member's engines take the ports above its replica's: a member slot has 8 (endpoint.control.members),
+# its replica's engine and the swap models' engines.
+MAX_SWAP_MODELS = 7
+
+
+class SwapSpec(Strict):
+    """Models that share this deployment's GPUs: each member (allocation) starts one engine per model on the
+    same GPUs, all but the first asleep (vLLM's sleep mode); a request for a sleeping model puts the least
+    recently used awake one to sleep and wakes it (docs/endpoint.md, Several models on one allocation)."""
+
+    models: list[ModelSpec] = Field(min_length=1, max_length=MAX_SWAP_MODELS, description="the other models "
+                                    "on the same GPUs (path, served_name, ... as model); each gets its own name "
+                                    "at the endpoint (/v1/models says asleep, waking or serving)")
+    awake: int = Field(1, ge=1, description="models awake at once on one member's GPUs: their weights and KV "
+                       "caches must fit together (vLLM's --gpu-memory-utilization in engine.args shares them)")
+    min_awake_s: float = Field(10.0, ge=0, description="a model woken stays awake at least this long before it "
+                               "may be put to sleep for another (no swapping back and forth on every request)")
+    wake_wait_s: float = Field(60.0, gt=0, description="how long a request for a sleeping model waits for it to "
+                               "wake (another put to sleep first, once nothing runs on it and it was awake "
+                               "min_awake_s); a stream gets SSE comments meanwhile; then 503 with Retry-After")
+
+    @model_validator(mode="after")
+    def _something_to_swap(self) -> SwapSpec:
+        if self.awake > len(self.models):
+            raise ValueError(f"swap.awake {self.awake} keeps all {len(self.models) + 1} models awake: nothing "
+                             f"would sleep. Lower it (at most {len(self.models)}), or serve them as joined "
+                             "deployments (serve.join)")
+        return self
+
+
 class SiteSpec(Strict):
     """How a site runs software on its compute nodes (also loadable alone with `--site FILE`)."""
 
@@ -425,6 +455,8 @@ class DeploymentConfig(Strict):
     site: SiteSpec = Field(SiteSpec(), description="how the site runs software on its compute nodes; "
                            "`--site FILE` replaces it (docs/sites.md)")
     tenancy: TenancySpec = Field(TenancySpec(), description="users, keys, limits, usage and fair share")
+    swap: SwapSpec | None = Field(None, description="more models on the same GPUs as this one, the ones in "
+                                  "demand awake (vLLM's sleep mode, GPUs only)")
     results_dir: str = Field("results", description="folder of the run folders (logs/NAME-ID/: logs, state, the "
                              "generated API key), relative to the current folder; on Slurm one every compute node "
                              "mounts. Refused when others can write into it")
@@ -466,7 +498,31 @@ class DeploymentConfig(Strict):
         problem = sleep_mode_problem(self.engine.sleep_mode, self.cluster.gpus_per_node, self.autoscale)
         if problem:
             raise ValueError(problem)
+        problem = self._swap_problem()
+        if problem:
+            raise ValueError(problem)
         return self
+
+    def _swap_problem(self) -> str | None:
+        swap = self.swap
+        if swap is None:
+            return None
+        if self.cluster.gpus_per_node == 0 or self.engine.sleep_mode == "off":
+            return ("swap puts models to sleep on the GPUs they share (vLLM's sleep mode), which needs GPU engines: "
+                    "set cluster.gpus_per_node and engine.sleep_mode auto or on (vLLM on CPU cannot sleep; serve "
+                    "other models there as joined deployments, serve.join)")
+        if self.serve.join is not None:  # its rooms would be made in another deployment's data plane
+            return ("swap gives every model a name at this deployment's own endpoint: remove serve.join (a joined "
+                    "deployment cannot bring swapped models)")
+        if self.autoscale is not None:
+            return ("swap keeps its models on the members parallelism.replicas starts; autoscale (and scale to "
+                    "zero) of swapped models is not supported yet: remove autoscale, or serve the model alone")
+        names = [self.model.name, *(m.name for m in swap.models)]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            return (f"swap: the served name {twice[0]!r} is there twice (model and swap.models): clients tell the "
+                    "models apart by it; give each a model.served_name of its own")
+        return None
 
     def _burst_problem(self) -> str | None:
         burst = self.autoscale.burst if self.autoscale else None
@@ -513,10 +569,19 @@ class DeploymentConfig(Strict):
 
     @property
     def engine_sleeps(self) -> bool:
-        """The engines start with vLLM's sleep mode: an idle model at zero sleeps instead of stopping."""
+        """The engines start with vLLM's sleep mode: an idle model at zero sleeps instead of stopping, and
+        swapped models sleep while others use their GPUs."""
         if self.engine.sleep_mode == "auto":
-            return self.on_gpu and self.autoscale is not None and self.autoscale.sleeps
+            return self.on_gpu and (self.swap is not None or (self.autoscale is not None and self.autoscale.sleeps))
         return self.engine.sleep_mode == "on"
+
+    @property
+    def swap_ports(self) -> list[int]:
+        """The ports of the swap models' engines, above the replicas' (replica i on serve.port + i)."""
+        if self.swap is None:
+            return []
+        replicas = self.parallelism.replicas if isinstance(self.parallelism, Layout) else 1
+        return [self.serve.port + replicas + index for index in range(len(self.swap.models))]
 
     @property
     def hands_over(self) -> bool:
