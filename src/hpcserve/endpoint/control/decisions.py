@@ -6,6 +6,7 @@
              held) and when a request wakes it
 - walltime: when a job must get its successor, so the endpoint outlives the job's time limit
 - adoption: what a new controller does with each member and backend a lost controller left running
+- swap:     which model of several sharing one member's GPUs wakes for its requests, and which sleeps for it
 """
 
 from __future__ import annotations
@@ -522,3 +523,61 @@ def decide_preemption(member: str, notice: dict, job: JobInfo | None, now: float
                              f"{left} (the partition's GraceTime): drained at once, its streams move to the others")
     return ScaleDecision("job ending", f"{signalled}: job {job.job_id} not preempted (no PreemptTime), its time "
                          f"limit is near{left}: drained at once")
+
+
+# ---------------------------------------------------------------- swap: several models on one member's GPUs
+
+@dataclass(frozen=True)
+class ModelUse:
+    """One model's engine on one member, as the swap sees it this round."""
+
+    name: str
+    awake: bool
+    waiting: int  # its requests the data plane holds now (no awake engine takes them)
+    in_flight: int  # its requests running on this member's engine (the data plane's count)
+    awake_since: float | None  # epoch seconds; None while asleep
+    last_used: float  # epoch seconds: the last time a request of it ran or waited (its wake, at first)
+
+
+@dataclass(frozen=True)
+class SwapDecision:
+    """wake: the model woken; sleep: the one put to sleep first (out of its room, then POST /sleep)."""
+
+    action: Literal["wake", "swap", "hold", "none"]
+    reason: str
+    wake: str | None = None
+    sleep: str | None = None
+
+
+def decide_swap(models: list[ModelUse], awake_at_most: int, min_awake_s: float, now: float) -> SwapDecision:
+    """Which model of one member's GPUs wakes, and which sleeps for it. A model with requests waiting and no
+    awake engine wakes (the one with most waiting first); with swap.awake models already awake, the least
+    recently used one that has nothing in flight or waiting and has been awake min_awake_s is put to sleep
+    first; when none may go yet, the request waits (hold, with why). Pure."""
+    wanted = sorted((m for m in models if not m.awake and m.waiting), key=lambda m: (-m.waiting, m.name))
+    if not wanted:
+        return SwapDecision("none", "no request waits for a sleeping model")
+    wake = wanted[0]
+    awake = [m for m in models if m.awake]
+    asked = f"{wake.name}: {wake.waiting} request(s) waiting, asleep"
+    if len(awake) < awake_at_most:
+        return SwapDecision("wake", f"{asked}; {len(awake)} of swap.awake {awake_at_most} awake: room to wake it",
+                            wake=wake.name)
+    free = [m for m in awake if not m.in_flight and not m.waiting
+            and m.awake_since is not None and now - m.awake_since >= min_awake_s]
+    if not free:
+        return SwapDecision("hold", f"{asked}; every awake model is busy or woke less than swap.min_awake_s "
+                            f"{min_awake_s:g} s ago ({', '.join(busy_reason(m, now) for m in awake)}): it waits",
+                            wake=wake.name)
+    sleep = min(free, key=lambda m: (m.last_used, m.name))
+    return SwapDecision("swap", f"{asked}; {sleep.name} least recently used (last request {now - sleep.last_used:.0f} "
+                        f"s ago), nothing in flight, awake {now - (sleep.awake_since or now):.0f} s (>= "
+                        f"swap.min_awake_s {min_awake_s:g} s): {sleep.name} sleeps, {wake.name} wakes",
+                        wake=wake.name, sleep=sleep.name)
+
+
+def busy_reason(model: ModelUse, now: float) -> str:
+    """Why an awake model may not be put to sleep now, e.g. "llama: 2 in flight". Pure."""
+    if model.in_flight or model.waiting:
+        return f"{model.name}: {model.in_flight} in flight, {model.waiting} waiting"
+    return f"{model.name}: awake {now - (model.awake_since or now):.0f} s"
