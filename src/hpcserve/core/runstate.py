@@ -102,6 +102,8 @@ class RunState:
     ray_gcs: str | None = None
     updated: float | None = None
     sleep: dict | None = None  # a model that sleeps when idle: its wake as the controller last told it (protocol.Waking)
+    swap: list[dict] = field(default_factory=list)  # a member's engines of swap.models: {"model", "url"}, asleep
+    swapped: dict = field(default_factory=dict)  # an endpoint's swap: member -> {"awake": [...], "asleep": [...]}
 
     @classmethod
     def read(cls, run_dir: Path | str) -> RunState:
@@ -117,7 +119,8 @@ class RunState:
                    decisions=[Decision(d["time"], d["action"], d["reason"]) for d in data.get("decisions") or []],
                    ready_answers=dict((data.get("ready_check") or {}).get("answers") or {}),
                    job_started=data.get("job_started"), driver_pid=data.get("driver_pid"),
-                   ray_gcs=(data.get("ray") or {}).get("gcs"), updated=data.get("updated"), sleep=data.get("sleep"))
+                   ray_gcs=(data.get("ray") or {}).get("gcs"), updated=data.get("updated"), sleep=data.get("sleep"),
+                   swap=list(data.get("swap") or []), swapped=dict(data.get("swapped") or {}))
 
     @property
     def first_answer(self) -> str | None:

@@ -29,7 +29,7 @@ from hpcserve.core.paths import RunPaths
 from hpcserve.core.runstate import RunStateWriter
 from hpcserve.core.statuses import RunStatus, Stage
 from hpcserve.deployment.process import process_main, write_notice
-from hpcserve.testing.standin import MetricsPage, make_app, run_loop
+from hpcserve.testing.standin import CONFIG, MetricsPage, make_app, run_loop
 
 TOKEN_DELAY_ENV, SLOTS_ENV = "STANDIN_DELAY_MS", "STANDIN_SLOTS"
 SLEEP_ENV = "STANDIN_SLEEP"  # "1": the stand-in has vLLM's sleep routes (as a GPU engine in sleep mode)
@@ -43,19 +43,39 @@ def own_address(bind_host: str) -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
-def standin_app(cfg: DeploymentConfig, api_key: str | None) -> web.Application:
+def standin_app(cfg: DeploymentConfig, api_key: str | None, model: str = "stub") -> web.Application:
+    """Sleep routes as vLLM has them when started in sleep mode (engine.sleep_mode), or with STANDIN_SLEEP=1."""
     env = cfg.engine.env
     return make_app(cfg.name, token_delay_s=float(env.get(TOKEN_DELAY_ENV, 0)) / 1000, tokens=16,
                     api_key=api_key,
                     slots=int(env.get(SLOTS_ENV, 1_000_000)), metrics=MetricsPage.load(),
-                    sleep_mode=env.get(SLEEP_ENV) == "1")
+                    sleep_mode=env.get(SLEEP_ENV) == "1" or cfg.engine_sleeps, model=model)
+
+
+async def start_engine(app: web.Application, host: str, port: int) -> web.AppRunner:
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    await web.TCPSite(runner, host, port, reuse_address=True).start()
+    return runner
+
+
+async def start_swap_engines(cfg: DeploymentConfig, api_key: str | None) -> tuple[list[web.AppRunner], list[dict]]:
+    """The swap models' engines, each started and put to sleep before the next (as vLLM on shared GPUs must:
+    each profiles the memory free at its start), before the member's own model: that one ends awake."""
+    runners, engines = [], []
+    for spec, port in zip(cfg.swap.models if cfg.swap else [], cfg.swap_ports):
+        app = standin_app(cfg, api_key, spec.name)
+        runners.append(await start_engine(app, cfg.serve.host, port))
+        app[CONFIG]["asleep"] = True  # what POST /sleep does
+        engines.append({"model": spec.name, "url": f"http://{own_address(cfg.serve.host)}:{port}"})
+    return runners, engines
 
 
 async def serve(cfg: DeploymentConfig, writer: RunStateWriter, api_key: str | None) -> None:
-    runner = web.AppRunner(standin_app(cfg, api_key), access_log=None, handle_signals=False)
-    await runner.setup()
-    await web.TCPSite(runner, cfg.serve.host, cfg.serve.port, reuse_address=True).start()
+    swap_runners, swap_engines = await start_swap_engines(cfg, api_key)
+    runner = await start_engine(standin_app(cfg, api_key), cfg.serve.host, cfg.serve.port)
     url = f"http://{own_address(cfg.serve.host)}:{cfg.serve.port}"
+    writer.update(swap=swap_engines)
     writer.done(Stage.ENGINE, url)
     writer.begin(Stage.READY)
     writer.update(status=RunStatus.READY, replicas=[{"index": 0, "url": url, "model": cfg.model.name,
@@ -67,7 +87,8 @@ async def serve(cfg: DeploymentConfig, writer: RunStateWriter, api_key: str | No
     asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, write_notice, writer.run_dir, signal.SIGUSR1)
     await stopped.wait()
     writer.update(status=RunStatus.STOPPING, stop_reason="SIGTERM")
-    await runner.cleanup()
+    for each in (runner, *swap_runners):
+        await each.cleanup()
 
 
 def run(run_dir: Path) -> int:
