@@ -82,6 +82,7 @@ def deployment_lines(r: api.DeploymentStatus) -> list[str]:
         lines.append(f"  {describe_holding(r.holding)}")
     if r.sleep:
         lines.append(f"  {r.sleep}")
+    lines += [f"  swap: {line}" for line in r.swap]
     if r.admission_waiting:
         lines.append(f"  {r.admission_waiting} request(s) waiting for room in the KV caches, cached prefixes "
                      "first (serve.admit_kv_share)")

@@ -49,6 +49,7 @@ from hpcserve.endpoint.control.policies.migration_notes import MigrationNotes
 from hpcserve.endpoint.control.policies.preemption import Preemption
 from hpcserve.endpoint.control.policies.scaling import Autoscaler, SelfHealing
 from hpcserve.endpoint.control.policies.sleeping import Sleeper
+from hpcserve.endpoint.control.policies.swapping import Swapper
 from hpcserve.endpoint.control.pool import ROTATION_S, Pool
 from hpcserve.endpoint.protocol import Backends
 from hpcserve.slurm.parse import WillRun
@@ -76,9 +77,10 @@ class MemberFailed(StageError):
 
 class Controller:
     def __init__(self, cfg: DeploymentConfig, run_dir: Path, router: Router, api_key: str | None,
-                 runs: Launcher | None = None):
+                 runs: Launcher | None = None, swap_rooms: dict[str, Router] | None = None):
         """runs: how members are started and found again; by default real deployments (drivers here or
-        Slurm jobs, their jobs asked about with one squeue per JOB_CHECK_EVERY_S)."""
+        Slurm jobs, their jobs asked about with one squeue per JOB_CHECK_EVERY_S). swap_rooms: each swap
+        model's Router, its room in this data plane (policies.swapping)."""
         self.cfg, self.run_dir, self.router, self.api_key = cfg, run_dir, router, api_key
         self.runs = runs or Runs.default(JOB_CHECK_EVERY_S)
         self.writer = RunStateWriter(run_dir, compact=True)  # the one writer of its state.json and timeline.json
@@ -87,7 +89,8 @@ class Controller:
         self.pool = Pool(router, api_key, cfg.model.name, TICK_S, self.serving_backends)
         self.autoscaler = Autoscaler(cfg.autoscale)
         self.sleeper = Sleeper(cfg.autoscale, cfg.engine.sleep_mode != "off")
-        self.policies: list[Policy] = [SelfHealing(), self.autoscaler, self.sleeper, Handover(cfg),
+        self.swapper = Swapper(cfg, swap_rooms or {})
+        self.policies: list[Policy] = [SelfHealing(), self.autoscaler, self.sleeper, self.swapper, Handover(cfg),
                                        MigrationNotes(), MemberRequests(run_dir), Preemption(cfg.autoscale)]
         self.decisions: list[Decision] = []
         self.failed_launches = 0  # members in a row that never became ready
@@ -413,6 +416,7 @@ class Controller:
         """The threads and connections of the control plane itself (members and router are stopped apart)."""
         self.joiner.shutdown(wait=False, cancel_futures=True)
         self.sleeper.close()
+        self.swapper.close()
         self.pool.close()
 
     # ------------------------------------------------------------ state
@@ -441,6 +445,7 @@ class Controller:
                                                                                  self.runs.slurm_queries())},
                                autoscale=self.autoscaler.last,
                                sleep=self.sleeper.told_json(),
+                               swapped=self.swapper.summary(),
                                decisions=[d.to_dict() for d in self.decisions[-20:]])
 
 

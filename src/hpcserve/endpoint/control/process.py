@@ -24,7 +24,7 @@ import threading
 import time
 from pathlib import Path
 
-from hpcserve.core.config import Layout, load_config
+from hpcserve.core.config import DeploymentConfig, Layout, load_config
 from hpcserve.core.files import remove_files, write_secret, write_text
 from hpcserve.core.keys import read_api_key
 from hpcserve.core.paths import RunPaths
@@ -35,8 +35,9 @@ from hpcserve.deployment.runs import Launcher
 from hpcserve.endpoint.control.controller import MEMBER_STOP_TIMEOUT_S, TICK_S, Controller
 from hpcserve.endpoint.control.joining import joined_router
 from hpcserve.endpoint.control.members import Member, group_layouts
-from hpcserve.endpoint.control.plane_client import Router, default_workers
+from hpcserve.endpoint.control.plane_client import Host, Router, default_workers
 from hpcserve.endpoint.control.resume import resume
+from hpcserve.endpoint.protocol import ModelSpec
 from hpcserve.engine.args import routes_by_cache
 from hpcserve.engine.client import READY_PROMPT, completion_probe
 from hpcserve.engine.kv_events import flag_value
@@ -157,6 +158,20 @@ def tokenizer_source(cfg) -> tuple[str | None, str | None]:
     return str(folder), flag_value(list(cfg.engine.args), "--chat-template")
 
 
+def swap_rooms(cfg: DeploymentConfig, router: Router, paths: RunPaths) -> dict[str, Router]:
+    """Each swap model's room in this endpoint's data plane (made by policies.swapping once it runs), driven
+    as a joined model's: scoped to its model, over the same admin socket."""
+    rooms = {}
+    for spec in cfg.swap.models if cfg.swap else []:
+        model_cfg = cfg.model_copy(update={"model": spec})
+        folder, template = tokenizer_source(model_cfg)
+        room = ModelSpec(spec.name, str(cfg.serve.routing), cfg.serve.hold_s, folder, template)
+        rooms[spec.name] = Router(cfg.serve.host, cfg.serve.port, router.api_key_file, paths.router_log,
+                                  model=spec.name, policy=cfg.serve.routing, admin_socket=router.admin_socket,
+                                  hold_s=cfg.serve.hold_s, joined=Host(room, lambda: router.pid))
+    return rooms
+
+
 def run(run_dir: Path, runs: Launcher | None = None) -> int:
     """runs: how members start (default: real deployments); a benchmark may run stand-in members."""
     paths = RunPaths(run_dir)
@@ -172,7 +187,7 @@ def run(run_dir: Path, runs: Launcher | None = None) -> int:
         router = Router(cfg.serve.host, cfg.serve.port, key_file, paths.router_log, model=cfg.model.name,
                         admin_socket=paths.router_admin, hold_s=cfg.serve.hold_s, options=options,
                         policy=cfg.serve.routing, workers=cfg.serve.router_workers or default_workers())
-    ctl = Controller(cfg, run_dir, router, api_key, runs)
+    ctl = Controller(cfg, run_dir, router, api_key, runs, swap_rooms(cfg, router, paths))
     keys_desk = None if cfg.serve.join else self_service(cfg, paths, router.url)
     started = {} if adopting else {"job_started": time.time()}  # where up's time went stays up's
     ctl.writer.update(driver_pid=os.getpid(), status=RunStatus.STARTING, **started)

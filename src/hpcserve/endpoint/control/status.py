@@ -54,6 +54,7 @@ class DeploymentStatus:
     lost: list[dict] = field(default_factory=list)  # every lost member (Loss), counted or not
     models: list[dict] = field(default_factory=list)  # every model behind its URL (protocol.ModelRoom's JSON)
     sleep: str | None = None  # autoscale.min 0, no replica: "asleep" or "waking: queued 12 s (Resources)"
+    swap: list[str] = field(default_factory=list)  # swap: which model is awake on which member, one line each
 
     def to_json(self) -> dict:
         """Plain JSON values (statuses and paths as text): what `hpcserve status --json` prints."""
@@ -100,7 +101,21 @@ def deployment_status(record: Record) -> DeploymentStatus:
                             state.endpoint_url, members, decisions, holding=hold,
                             admission_waiting=int(answer.get("waiting") or 0) if answer else 0,
                             up=count.up, total=count.total, lost=[asdict(loss) for loss in count.losses],
-                            models=models, sleep=sleep)
+                            models=models, sleep=sleep, swap=swap_lines(state.swapped))
+
+
+def swap_lines(swapped: dict) -> list[str]:
+    """"NAME-m0 awake qwen (asleep: llama)" per member, "swapping" while a swap runs. Pure."""
+    lines = []
+    for member, models in sorted(swapped.items()):
+        line = f"{member} awake {', '.join(models.get('awake') or []) or 'none'}"
+        if models.get("asleep"):
+            line += f" (asleep: {', '.join(models['asleep'])})"
+        if models.get("swapping"):
+            line += f"; swapping: {models['swapping'].get('sleep') or 'nothing'} to sleep, " \
+                    f"{models['swapping'].get('wake')} waking"
+        lines.append(line)
+    return lines
 
 
 def sleep_line(told: dict | None, models: list[dict], model: str | None, now: float) -> str | None:
