@@ -1,5 +1,6 @@
-"""An endpoint at zero in local mode for the sleep tests: the real endpoint process whose members are local
-stand-in engines (hpcserve.testing.member), autoscale.min 0, and what the tests read of it."""
+"""An endpoint in local mode for the sleep and swap tests: the real endpoint process whose members are local
+stand-in engines (hpcserve.testing.member), at zero (autoscale.min 0) or as the test configures it, and what
+the tests read of it."""
 
 from __future__ import annotations
 
@@ -29,15 +30,23 @@ HTTP = httpx.Client(timeout=60, trust_env=False)
 def endpoint_at_zero(directory: Path, name: str, key_env: str, key: str, autoscale: dict | None = None,
                      engine: dict | None = None) -> Iterator[tuple[RunRecord, str]]:
     """(its run record, its URL) once it is ready; stopped (and forgotten) at the end."""
+    with local_endpoint(directory, name, key_env, key, engine=engine or {},
+                        autoscale={"min": 0, "max": 1, "idle_s": 2, "scale_down_after_s": 2, "wake_wait_s": 60,
+                                   **(autoscale or {})}) as running:
+        yield running
+
+
+@contextmanager
+def local_endpoint(directory: Path, name: str, key_env: str, key: str,
+                   **sections: dict) -> Iterator[tuple[RunRecord, str]]:
+    """An endpoint of one stand-in member, its config's sections (engine, cluster, ...) replaced by these."""
     mp = pytest.MonkeyPatch()
     mp.setenv(key_env, key)
     mp.setenv("HPCSERVE_HOME", str(directory / "home"))
     raw = {"name": name, "model": {"path": "builtin:tiny-llama", "served_name": "stub"},
-           "cluster": {"scheduler": "local"}, "parallelism": {"replicas": 1}, "engine": engine or {},
+           "cluster": {"scheduler": "local"}, "parallelism": {"replicas": 1},
            "serve": {"port": free_port(), "api_key_env": key_env, "router_workers": 1},
-           "autoscale": {"min": 0, "max": 1, "idle_s": 2, "scale_down_after_s": 2, "wake_wait_s": 60,
-                         **(autoscale or {})},
-           "results_dir": str(directory)}
+           "results_dir": str(directory), **sections}
     record = LocalRun.start(parse_config(raw), directory, "hpcserve.testing.endpoint", RunKind.ENDPOINT,
                             choose_key(key_env, False), {MEMBER_ENV: "1"}).record
     save_record(record)  # `status NAME` finds it, as `up` registers it
