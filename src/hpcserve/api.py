@@ -96,14 +96,10 @@ def up(config_path: str | Path | DeploymentConfig, on_event: Callable[[Event], N
 
 def swap_refusal(cfg: DeploymentConfig) -> str | None:
     """Why `up` cannot run this config's swap (None: no swap, or it can). Not in the schema: a member's config
-    keeps swap (its models' engines) without a router of its own, and stand-in members start swapped engines."""
-    if cfg.swap is None:
-        return None
-    if not cfg.serve.router:
+    keeps swap (its models' engines) without a router of its own."""
+    if cfg.swap is not None and not cfg.serve.router:
         return "swap puts models to sleep and wakes them by demand at the endpoint: it needs serve.router true"
-    return ("swap is not run by the vLLM driver yet: it starts one engine per member, not one per model on the "
-            "same GPUs (the endpoint's swap is tested with stand-in engines only, docs/endpoint.md); remove swap, "
-            "or serve the other models as joined deployments (serve.join)")
+    return None
 
 
 @umask(PRIVATE_UMASK)

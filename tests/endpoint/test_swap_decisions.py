@@ -81,7 +81,11 @@ def test_swap_starts_the_engines_in_sleep_mode_and_gives_each_model_a_port_of_th
     assert cfg.engine_sleeps and cfg.swap is not None and cfg.swap.awake == 1
     member = member_config(cfg, "sw-m0", 1, cfg.parallelism, Path("/r"))  # type: ignore[arg-type]
     assert member.engine.sleep_mode == "on" and member.swap == cfg.swap
-    assert member.swap_ports == [member.serve.port + 1]  # its replica on serve.port, within its slot's ports
+    assert member.swap_ports() == [member.serve.port + 1]  # its replica on serve.port, within its slot's ports
+    two_replicas = config(parallelism={"tensor": 1, "pipeline": 1, "replicas": 2}, cluster={"scheduler": "slurm", "gpus_per_node": 2},
+                   swap={"models": [{"path": "/m/q", "served_name": "q"}, {"path": "/m/r", "served_name": "r"}]})
+    port = two_replicas.serve.port
+    assert [two_replicas.swap_ports(0), two_replicas.swap_ports(1)] == [[port + 2, port + 3], [port + 4, port + 5]]  # none shared
 
 
 @pytest.mark.parametrize(("changes", "says"), [
@@ -91,6 +95,7 @@ def test_swap_starts_the_engines_in_sleep_mode_and_gives_each_model_a_port_of_th
     ({"swap": {"models": [{"path": "/m/q"}], "awake": 2}}, "nothing would sleep"),
     ({"autoscale": {"min": 1}}, "autoscale (and scale to zero) of swapped models is not supported yet"),
     ({"serve": {"join": "other"}}, "remove serve.join"),
+    ({"engine": {"executor": "ray"}}, "vLLM's Ray executor reserves them for one"),
 ])
 def test_a_swap_that_cannot_work_is_refused_naming_the_fix(changes, says):
     with pytest.raises(ConfigError) as refused:

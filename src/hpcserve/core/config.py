@@ -511,6 +511,9 @@ class DeploymentConfig(Strict):
             return ("swap puts models to sleep on the GPUs they share (vLLM's sleep mode), which needs GPU engines: "
                     "set cluster.gpus_per_node and engine.sleep_mode auto or on (vLLM on CPU cannot sleep; serve "
                     "other models there as joined deployments, serve.join)")
+        if self.engine.executor == "ray":  # vLLM's Ray executor takes the GPUs from Ray: a second engine finds none
+            return ("swap starts several engines on the same GPUs, and vLLM's Ray executor reserves them for one: "
+                    "set engine.executor auto or mp (swap needs replicas within one node)")
         if self.serve.join is not None:  # its rooms would be made in another deployment's data plane
             return ("swap gives every model a name at this deployment's own endpoint: remove serve.join (a joined "
                     "deployment cannot bring swapped models)")
@@ -575,13 +578,13 @@ class DeploymentConfig(Strict):
             return self.on_gpu and (self.swap is not None or (self.autoscale is not None and self.autoscale.sleeps))
         return self.engine.sleep_mode == "on"
 
-    @property
-    def swap_ports(self) -> list[int]:
-        """The ports of the swap models' engines, above the replicas' (replica i on serve.port + i)."""
+    def swap_ports(self, replica: int = 0) -> list[int]:
+        """The ports of one replica's swap model engines, above all the replicas' (replica i on serve.port + i)."""
         if self.swap is None:
             return []
         replicas = self.parallelism.replicas if isinstance(self.parallelism, Layout) else 1
-        return [self.serve.port + replicas + index for index in range(len(self.swap.models))]
+        first = self.serve.port + replicas + replica * len(self.swap.models)
+        return list(range(first, first + len(self.swap.models)))
 
     @property
     def hands_over(self) -> bool:

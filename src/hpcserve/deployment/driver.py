@@ -82,8 +82,10 @@ def serve(cfg: DeploymentConfig, parts: Deployment, run_dir: Path, writer: RunSt
     parts.samplers = start_samplers(run_dir)
     check_only = bool(os.environ.get(CHECK_ONLY_ENV))
     # The engines' load (tens of seconds to minutes) starts as soon as the checks that need the
-    # nodes' GPUs and CPUs passed, and overlaps the rest of the health check.
-    start_early = None if check_only else lambda: start_engines(cfg, parts, run_dir, writer)
+    # nodes' GPUs and CPUs passed, and overlaps the rest of the health check. Not with swap: its engines
+    # start one after another, each waited for, which would hold the check up for minutes.
+    early = not check_only and cfg.swap is None
+    start_early = (lambda: start_engines(cfg, parts, run_dir, writer)) if early else None
     check_health(cfg, parts.cluster, run_dir, writer, start_early)
     if check_only:
         writer.update(status=RunStatus.CHECKED)
@@ -146,7 +148,7 @@ def start_engines(cfg: DeploymentConfig, parts: Deployment, run_dir: Path, write
     replicas.start()
     for proc in replicas.processes():
         parts.samplers[proc.hostname].watch.remote([proc.pid])
-    writer.update(replicas=replicas.rows(healthy=False))
+    writer.update(replicas=replicas.rows(healthy=False), swap=replicas.swap_rows())
 
 
 def wait_engines_ready(cfg: DeploymentConfig, replicas, writer: RunStateWriter) -> None:

@@ -63,7 +63,7 @@ async def start_swap_engines(cfg: DeploymentConfig, api_key: str | None) -> tupl
     """The swap models' engines, each started and put to sleep before the next (as vLLM on shared GPUs must:
     each profiles the memory free at its start), before the member's own model: that one ends awake."""
     runners, engines = [], []
-    for spec, port in zip(cfg.swap.models if cfg.swap else [], cfg.swap_ports):
+    for spec, port in zip(cfg.swap.models if cfg.swap else [], cfg.swap_ports()):
         app = standin_app(cfg, api_key, spec.name)
         runners.append(await start_engine(app, cfg.serve.host, port))
         app[CONFIG]["asleep"] = True  # what POST /sleep does
