@@ -35,7 +35,7 @@ from hpcserve.engine.client import READY_PROMPT
 from hpcserve.engine.load_format import choose, load_format_args
 from hpcserve.engine.replicas import ReplicaSet, engine_key
 from hpcserve.monitoring.sampler import start_samplers
-from hpcserve.planning.model_source import model_and_layout
+from hpcserve.planning.model_source import model_and_layout, resolve_model_path
 from hpcserve.raycluster.cluster import ClusterPlan, RayCluster
 from hpcserve.raycluster.health import run_health_check
 from hpcserve.raycluster.launch import LocalLauncher, SrunLauncher
@@ -142,8 +142,10 @@ def start_engines(cfg: DeploymentConfig, parts: Deployment, run_dir: Path, write
     writer.begin("engine", f"{layout.replicas} replica(s) of tensor {layout.tensor} x pipeline {layout.pipeline}; "
                  f"weights: {loader.reason}")
     api_key = engine_key(cfg, run_dir)
+    swap_models = [(spec, resolve_model_path(cfg.model_copy(update={"model": spec})))
+                   for spec in (cfg.swap.models if cfg.swap else [])]
     replicas = ReplicaSet(cfg, layout, model_path, run_dir, api_key, master_port, gcs_address,
-                          load_format_args(loader))
+                          load_format_args(loader), swap_models)
     parts.replicas = replicas  # torn down even if it fails half-way
     replicas.start()
     for proc in replicas.processes():

@@ -32,7 +32,6 @@ from hpcserve.engine.compile_cache import (
 )
 from hpcserve.engine.host import EngineHost
 from hpcserve.engine.logs import engine_error
-from hpcserve.planning.model_source import resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +117,8 @@ class Replica:
 
 class ReplicaSet:
     def __init__(self, cfg: DeploymentConfig, layout: Layout, model_path: str, run_dir: Path,
-                 api_key: str | None, master_port: int, gcs_address: str, load_args: list[str] | None = None):
+                 api_key: str | None, master_port: int, gcs_address: str, load_args: list[str] | None = None,
+                 swap_models: list[tuple[ModelSpec, str]] | None = None):
         self.cfg = cfg
         self.layout = layout
         self.model_path = model_path
@@ -128,6 +128,7 @@ class ReplicaSet:
         self.gcs_address = gcs_address
         self.load_args = load_args or []  # --load-format chosen for this node (engine.load_format)
         self.replicas: list[Replica] = []
+        self.swap_models = swap_models or []  # config swap: each model with the path its engines load
         self.swap_engines: list[SwapEngine] = []
 
     # ------------------------------------------------------------ start
@@ -182,8 +183,8 @@ class ReplicaSet:
                                  "mp", None)
             # Their own hosts, taking nothing from the bundle: the GPUs are the replica's host's, shown to them.
             gpus = {"CUDA_VISIBLE_DEVICES": where[0]["cuda_visible_devices"]} if where[0]["cuda_visible_devices"] else {}
-            for spec, swap_port in zip(self.cfg.swap.models, self.cfg.swap_ports(shape.index)):
-                self._start_swap_engine(engine_host(0, {}), spec, swap_port, shape, executor, gpus)
+            for (spec, path), swap_port in zip(self.swap_models, self.cfg.swap_ports(shape.index)):
+                self._start_swap_engine(engine_host(0, {}), spec, path, swap_port, shape, executor, gpus)
         for rank, (actor, info) in enumerate(zip(hosts, where)):
             role = EngineRole(replica=shape.index, port=port, tensor=self.layout.tensor, pipeline=self.layout.pipeline,
                               executor=executor, nnodes=len(hosts), node_rank=rank, master_addr=master,
@@ -197,13 +198,12 @@ class ReplicaSet:
             replica.processes.append(proc)
         return replica
 
-    def _start_swap_engine(self, host: Any, spec: ModelSpec, port: int, shape: ReplicaShape, executor: str,
-                           gpus: dict[str, str]) -> None:
+    def _start_swap_engine(self, host: Any, spec: ModelSpec, model_path: str, port: int, shape: ReplicaShape,
+                           executor: str, gpus: dict[str, str]) -> None:
         """One swap model's engine on the replica's GPUs: started, waited for until it answers, put to sleep."""
         import ray
 
         swap_cfg = self.cfg.model_copy(update={"model": spec})
-        model_path = resolve_model_path(swap_cfg)
         role = EngineRole(replica=shape.index, port=port, tensor=self.layout.tensor, pipeline=self.layout.pipeline,
                           executor=executor)
         info = ray.get(host.where.remote())
