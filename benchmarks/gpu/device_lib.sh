@@ -74,10 +74,12 @@ gpu_free() { # until the GPU is nearly empty again
     [ "${used:-0}" -lt 1500 ] && return 0; sleep 0.5
   done; log "warning: GPU memory still in use (${used} MiB)"
 }
-wait_ready() { # URL PID DEADLINE_S: until a completion answers. rc 0 ready, 1 process died, 2 deadline
-  local end=$(( $(date +%s) + $3 ))
+wait_ready() { # URL PID DEADLINE_S [HEADER_FILE]: until a completion answers (with HEADER_FILE's headers, e.g.
+  # a key: curl reads them from the file, so no key is on a command line). rc 0 ready, 1 process died, 2 deadline
+  local end=$(( $(date +%s) + $3 )) hdr=()
+  [ -n "${4:-}" ] && hdr=(-H "@$4")
   while [ "$(date +%s)" -lt $end ]; do
-    curl -sf -m 10 "$1/v1/completions" -H 'Content-Type: application/json' \
+    curl -sf -m 10 "${hdr[@]}" "$1/v1/completions" -H 'Content-Type: application/json' \
       -d '{"model":"m","prompt":"w11 w12 w13 w14","max_tokens":4}' >/dev/null && return 0
     kill -0 "$2" 2>/dev/null || return 1
     sleep 0.5

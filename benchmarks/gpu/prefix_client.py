@@ -2,6 +2,7 @@
 
 usage: prefix_client.py --url URL[,URL2...] --out OUT.json --seed S [--model m] [--concurrency C]
                              [--session-header] [--kv-tokens K [--replicas 2] [--block 16]] [--request-ids]
+                             [--keys FILE]
          --mode prefix    --num-prefixes P --prefix-len L --suffix-len X --output-len O --num-requests N
                           [--request-rate R]
          --mode multiturn --sessions S --turns T --user-len U --output-len O [--api completions|chat]
@@ -29,6 +30,9 @@ A few short unrelated warm-up requests go first (not timed, no shared prefix).
 --request-ids (prefix mode): each request carries `x-request-id: <OUT's stem>.g<prefix>.i<position>`, which
 vLLM takes as its request id; replicas with --enable-log-requests then log which of them each one served
 (routing_placement.py reads that). Off by default (vllm-router's consistent_hash would key on it).
+--keys FILE: the keys to send (one a line, e.g. users' own keys of a data plane with tenancy on:
+tenancy_keys.py writes it): every request, warm-ups included, carries `Authorization: Bearer` with the next key
+in turn, so N keys are used alike. Without it, no Authorization header (an open endpoint).
 Several URLs (comma-separated): the client itself sends request i to URL i mod n (round robin over the
 replicas, no router: the `direct` baseline).
 --api chat (multiturn): /v1/chat/completions with the conversation as messages (user, assistant, ...);
@@ -83,6 +87,9 @@ def words(rng: random.Random, n: int, vocab: int) -> str:
 def request(a, prompt: str | list[dict], key: str | None, request_id: str | None = None,
             output_len: int | None = None) -> RequestInput:
     headers = {"x-session-id": key} if (key is not None and a.session_header) else {}
+    if a.keys:
+        a.keys_sent += 1
+        headers["Authorization"] = f"Bearer {a.keys[a.keys_sent % len(a.keys)]}"
     if request_id is not None:
         headers["x-request-id"] = request_id
     return RequestInput(prompt, a.output_len if output_len is None else output_len, headers=headers,
@@ -314,7 +321,8 @@ async def main_async(a) -> None:
     else:
         await run_multiturn(a, records)
     duration = time.perf_counter() - t0
-    config = {k: v for k, v in vars(a).items() if k not in ("out", "sent_order", "endpoints")}
+    config = {k: v for k, v in vars(a).items() if k not in ("out", "sent_order", "endpoints", "keys")}
+    config["keys"] = len(a.keys)  # how many, never the keys themselves
     summary = summarize(records, duration, a)
     out = Path(a.out)
     out.write_text(json.dumps({"config": config, "summary": summary}, indent=1))
@@ -351,10 +359,13 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--block", type=int, default=16, help="the engines' KV block size (tokens)")
     ap.add_argument("--request-ids", action="store_true", help="prefix mode: x-request-id naming prefix and position")
+    ap.add_argument("--keys", type=Path, help="a file of keys, one a line: each request carries the next (Bearer)")
     ap.add_argument("--run-timeout", type=float, default=3600, help="the whole run's deadline (s)")
     a = ap.parse_args()
     a.urls = [u.rstrip("/") for u in a.url.split(",") if u]
     a.endpoints = [Endpoint(u, a.model, None) for u in a.urls]
+    a.keys = a.keys.read_text().split() if a.keys else []
+    a.keys_sent = 0
     if a.request_rate > 0 and a.mode != "prefix":
         ap.error("--request-rate applies to --mode prefix only")
     asyncio.run(main_async(a))

@@ -41,7 +41,15 @@
 #   hps:POLICY@TAG: the data plane from the src folder in $ROUTING_SRC_<TAG> (e.g. hps:prefix@old with
 #   ROUTING_SRC_OLD=/tmp/hps-e6656f5/src: another commit's data plane in the same rounds; replicas stay as started)
 #   and/or with $ROUTING_WORKERS_<TAG> workers (e.g. hps:prefix@w1 with ROUTING_WORKERS_W1=1), and/or with
-#   $ROUTING_ARGS_<TAG> added to its arguments (e.g. hps:prefix@a0 with ROUTING_ARGS_A0="--admit-kv-share 0").
+#   $ROUTING_ARGS_<TAG> added to its arguments (e.g. hps:prefix@a0 with ROUTING_ARGS_A0="--admit-kv-share 0"),
+#   and/or with $ROUTING_TENANCY_<TAG> = N: the data plane takes a deployment key (--key-file) and, N > 0, users'
+#   own keys (--tenancy: N users in 10 projects, a fresh SQLite store per run, rates far above what is sent,
+#   the config's default caps), the client sending each request, warm-ups included, with the next user's key
+#   (N = 0: the deployment's key alone, tenancy off); after the run, with the data plane stopped (it writes
+#   what it holds at SIGTERM), its usage rows are counted into the record (tenancy_keys.py; the keys are then
+#   deleted). Tenancy's overhead on stress (TENANCY_CALLS.md): ROUTING_TENANCY_OFF=0 ROUTING_TENANCY_TEN=100
+#   ROUTING_POLICIES_STRESS="direct hps:prefix@off hps:prefix@ten"; routing_summary.py's tenancy table gives
+#   on / off and on / direct per round and whether every request left one usage row.
 # Every run: a fresh router, both replicas' prefix caches reset (POST /reset_prefix_cache), their /metrics
 # before and after (prefix_cache_hits/queries in tokens, the client's 8 warm-ups included), the client's
 # best_hit_tokens (what an oracle router could hit on what was sent; prefix_client.py says how).
@@ -174,10 +182,11 @@ default_policies() {
 }
 
 N_RUN=0
-use_src() { # TAG: this run's data plane from $ROUTING_SRC_<TAG>, with $ROUTING_WORKERS_<TAG> workers and
-  # $ROUTING_ARGS_<TAG> added to its arguments (run_one's locals)
-  local var="ROUTING_SRC_${1^^}" wvar="ROUTING_WORKERS_${1^^}" avar="ROUTING_ARGS_${1^^}"
-  [ -n "${!var:-}${!wvar:-}${!avar:-}" ] || { log "hps@$1: none of $var, $wvar, $avar set"; HPS_OK=0; return; }
+use_src() { # TAG: this run's data plane from $ROUTING_SRC_<TAG>, with $ROUTING_WORKERS_<TAG> workers,
+  # $ROUTING_ARGS_<TAG> added to its arguments and $ROUTING_TENANCY_<TAG> users (run_one's locals)
+  local var="ROUTING_SRC_${1^^}" wvar="ROUTING_WORKERS_${1^^}" avar="ROUTING_ARGS_${1^^}" tvar="ROUTING_TENANCY_${1^^}"
+  [ -n "${!var:-}${!wvar:-}${!avar:-}${!tvar:-}" ] || { log "hps@$1: none of $var, $wvar, $avar, $tvar set"; HPS_OK=0; return; }
+  TEN_USERS=${!tvar:-}
   SRC=${!var:-$SRC}; ROUTING_HPS_WORKERS=${!wvar:-$ROUTING_HPS_WORKERS}; HPS_OK=0; hps_check; hps_features
   BENCH_HPS_ARGS="$BENCH_HPS_ARGS ${!avar:-}"
 }
@@ -185,7 +194,8 @@ use_src() { # TAG: this run's data plane from $ROUTING_SRC_<TAG>, with $ROUTING_
 run_one() { # WORKLOAD POLICY SEED ROUND: one run; WALL = its seconds
   local wl=$1 pol=$2 seed=$3 round=$4 pn=${2//:/-} url=http://127.0.0.1:8000 rp="" rrc t0 i hp
   local SRC=$SRC HPS_OK=$HPS_OK HPS_KV_OK=${HPS_KV_OK:-0} BENCH_HPS_ARGS=${BENCH_HPS_ARGS:-} \
-    ROUTING_HPS_WORKERS=$ROUTING_HPS_WORKERS   # use_src changes them for this run only
+    ROUTING_HPS_WORKERS=$ROUTING_HPS_WORKERS TEN_USERS="" TEN_DIR=$BENCH_DIR/ten tj="" tauth="" tkeys=()
+  # use_src changes them for this run only
   N_RUN=$((N_RUN + 1)); i=$N_RUN; t0=$(now)
   local rlog="$RAW/router_${i}_$pn.log"
   case $pol in
@@ -193,6 +203,15 @@ run_one() { # WORKLOAD POLICY SEED ROUND: one run; WALL = its seconds
     hps:*)
       hp=${pol#hps:}; [[ $hp == *@* ]] && { use_src "${hp#*@}"; hp=${hp%%@*}; }
       if [ $HPS_OK != 1 ]; then log "$wl/$pol skipped: no data plane"; rec phase=rt workload=$wl policy=$pol ok=false skipped=true; WALL=0; return; fi
+      if [ -n "$TEN_USERS" ]; then # keys made afresh for each run: its store holds this run's usage rows alone
+        rm -rf "$TEN_DIR"
+        tj=$(PYTHONPATH=$SRC $PY "$RHERE/tenancy_keys.py" make "$TEN_DIR" --users "$TEN_USERS" 2>> "$rlog") \
+          || { log "$wl/$pol: tenancy_keys.py make failed"; fail_tail "$rlog"; WALL=$(since "$t0"); return; }
+        BENCH_HPS_ARGS="$BENCH_HPS_ARGS --key-file $TEN_DIR/api_key"
+        [ "$TEN_USERS" -gt 0 ] && BENCH_HPS_ARGS="$BENCH_HPS_ARGS --tenancy $TEN_DIR/tenancy.json"
+        tauth=$TEN_DIR/auth.hdr; tkeys=(--keys "$TEN_DIR/keys")
+        log "$pol: $TEN_USERS users' keys ($tj)"
+      fi
       BENCH_HPS_KV=$([ $HPS_KV_OK = 1 ] && echo "$K") start_hps "$hp" "$rlog"; rrc=$?; rp=$BG
       [ $rrc = 0 ] || { log "data plane ($pol) did not start or refused the backends"; fail_tail "$rlog"; stop_tree $rp; WALL=$(since "$t0"); return; };;
     *)
@@ -201,7 +220,7 @@ run_one() { # WORKLOAD POLICY SEED ROUND: one run; WALL = its seconds
       rp=$BG;;
   esac
   if [ -n "$rp" ]; then
-    wait_ready http://127.0.0.1:8000 $rp 60; rrc=$?
+    wait_ready http://127.0.0.1:8000 $rp 60 "$tauth"; rrc=$?
     [ $rrc = 0 ] || { log "router ($pol) not ready: rc $rrc"; fail_tail "$rlog"; stop_tree $rp; WALL=$(since "$t0"); return; }
   fi
   local r1 r2 cj md rmj tl
@@ -210,7 +229,7 @@ run_one() { # WORKLOAD POLICY SEED ROUND: one run; WALL = its seconds
   $PY "$HERE/device_util.py" metrics http://127.0.0.1:8002 "$RAW/m${i}_r2_before.json" >/dev/null
   tl=$(( $(left) - 10 )); [ $tl -lt 30 ] && tl=30
   cj=$(timeout $tl $PY "$HERE/prefix_client.py" --url "$url" --seed "$seed" --out "$RAW/client_${i}_${wl}_$pn.json" \
-       "${CARGS[@]}" 2> "$RAW/client_${i}.err" | tail -1)
+       "${CARGS[@]}" "${tkeys[@]}" 2> "$RAW/client_${i}.err" | tail -1)
   if [ -z "$rp" ]; then rmj='{}'
   elif [ "${pol%%:*}" = hps ]; then rmj=$(hps_metrics "$i")
   else curl -s -m 10 http://127.0.0.1:29001/metrics > "$RAW/router_metrics_$i.txt"; rmj=$($PY "$HERE/device_util.py" rmetrics "$RAW/router_metrics_$i.txt"); fi
@@ -219,11 +238,18 @@ run_one() { # WORKLOAD POLICY SEED ROUND: one run; WALL = its seconds
   md=$($PY "$HERE/device_util.py" mdiff "$RAW/m${i}_r1_before.json" "$RAW/m${i}_r1_after.json" "$RAW/m${i}_r2_before.json" "$RAW/m${i}_r2_after.json")
   [ -n "$cj" ] || { cj='{}'; log "client failed:"; tail -5 "$RAW/client_${i}.err" | tee -a "$SUM"; }
   [ -n "$rp" ] && { stop_tree $rp; rm -f "$BENCH_DIR/pid.router"; }
+  if [ -n "$TEN_USERS" ]; then # the data plane writes the rows it holds when it stops (SIGTERM): all are in now
+    tj=$(PYTHONPATH=$SRC $PY "$RHERE/tenancy_keys.py" count "$TEN_DIR" 2>> "$rlog"); tj=${tj:-'{"error": "count failed"}'}
+    [ "$TEN_USERS" -gt 0 ] && log "  usage rows: $tj"
+    tj=$($PY -c 'import json,sys; print(json.dumps({"users": int(sys.argv[1]), **json.loads(sys.argv[2])}))' "$TEN_USERS" "$tj")
+    rm -rf "$TEN_DIR"   # the keys go with the run
+  fi
   WALL=$(since "$t0")
   log "$wl/$pol round $round seed $seed: $WALL s (reset: $r1 $r2)"; log "  client: $cj"; log "  metrics: $md"; log "  router: $rmj"
   echo "$cj" | grep -q '"failed": 0,' || log "  WARNING: $wl/$pol had failed requests (or no client summary)"
   rec phase=rt workload=$wl policy=$pol seed=$seed round=$round ok=true wall_s=$WALL "client=$cj" "metrics=$md" "router=$rmj" \
-      kv_tokens=$K "hps_args=${BENCH_HPS_ARGS:-}" hps_kv=$HPS_KV_OK "src=$SRC" run=$i "call=$(basename "$RAW")"
+      kv_tokens=$K "hps_args=${BENCH_HPS_ARGS:-}" hps_kv=$HPS_KV_OK "src=$SRC" run=$i "call=$(basename "$RAW")" \
+      ${tj:+"tenancy=$tj"}
 }
 
 phase_bench() {

@@ -9,6 +9,8 @@ hpcserve / cache_aware and hpcserve / round robin (stress: hpcserve / direct) of
 with their mean and range; then the routing targets with what was measured (--targets: only
 those). The workers phase (dataplane_workers.py) gets its own table. Other data planes measured in the
 same rounds (routing_device.sh's hps:prefix@TAG) get their own ratio rows; every policy its hits / best.
+Tenancy (data planes of ROUTING_TENANCY_<TAG>): per round, tenancy on against off and against direct (output
+tok/s, TTFT p50), and each on run's usage rows against the requests its client sent.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ HPS = "hps:prefix"
 NAMES = {"hps:prefix": "hpcserve prefix", "cache_aware": "vllm-router cache_aware",
          "round_robin": "vllm-router round_robin", "direct": "direct (client round robin)"}
 WORKLOADS = ("fit", "evict", "chat", "stress")
+WARMUPS, WARMUP_TOKENS = 8, 4  # prefix_client.py's warm-ups: they carry the users' keys too
 
 
 def name(policy: str) -> str:
@@ -157,6 +160,66 @@ def workload_tables(rows: list[dict], wl: str) -> tuple[list[str], dict]:
     return out, ratios
 
 
+def tenancy_mode(r: dict) -> str | None:
+    """'on' (users' keys), 'off' (the deployment's key alone), 'direct', else None (not part of a tenancy run)."""
+    if r.get("policy") == "direct":
+        return "direct"
+    t = r.get("tenancy")
+    if not isinstance(t, dict):
+        return None
+    return "on" if t.get("users") else "off"
+
+
+def usage_check(r: dict) -> str:
+    """Whether every request of an on run left one usage row with its tokens. Pure."""
+    t, c = r.get("tenancy") or {}, r.get("client") or {}
+    if "user_rows" not in t or c.get("requests") is None:
+        return "no count"
+    sent = c["requests"] + WARMUPS
+    tokens = (c.get("completion_tokens") or 0) + WARMUPS * WARMUP_TOKENS
+    ok = (t["user_rows"] == sent and set(t.get("statuses") or {}) <= {"200"} and not t.get("rows_without_tokens")
+          and t.get("completion_tokens") == tokens)
+    return (f"{'yes' if ok else 'NO'}: {t['user_rows']} rows / {sent} sent, {t.get('keys_seen')} keys, statuses "
+            f"{t.get('statuses')}, completion tokens {t.get('completion_tokens')} / {tokens}")
+
+
+def tenancy_tables(rows: list[dict]) -> tuple[list[str], dict]:
+    """On against off and direct, per workload and round (the same seed), with the usage rows' check."""
+    out: list[str] = []
+    ratios: dict = {}
+    for wl in WORKLOADS:
+        runs = [r for r in rows if r.get("phase") == "rt" and r.get("workload") == wl and r.get("ok")]
+        by_round: dict[int, dict[str, dict]] = {}
+        for r in runs:
+            mode = tenancy_mode(r)
+            if mode:
+                by_round.setdefault(r.get("round", 0), {})[mode] = r
+        by_round = {k: v for k, v in by_round.items() if "on" in v}
+        if not by_round:
+            continue
+        out += [f"### tenancy: {wl}", "", ("| round | on: output tok/s | TTFT p50 ms | on / off: tok/s | TTFT p50 | "
+                                          "on / direct: tok/s | TTFT p50 | off / direct: tok/s | usage rows: every "
+                                          "request once |"),
+                "|---|---|---|---|---|---|---|---|---|"]
+        for rnd in sorted(by_round):
+            d = {m: run_figures(r) for m, r in by_round[rnd].items()}
+            cells = []
+            for a, b in (("on", "off"), ("on", "direct"), ("off", "direct")):
+                for key in ("tok_s", "p50") if a == "on" else ("tok_s",):
+                    x, y = d.get(a, {}).get(key), d.get(b, {}).get(key)
+                    if x and y:
+                        ratios.setdefault((wl, f"{a}/{b}", key), []).append(x / y)
+                    cells.append(f"{x / y:.3f}" if x and y else "-")
+            out.append(f"| {rnd} | {fmt(d['on']['tok_s'])} | {fmt(d['on']['p50'])} | " + " | ".join(cells)
+                       + f" | {usage_check(by_round[rnd]['on'])} |")
+        out.append("| mean (range) | | | " + " | ".join(
+            ratio_stats(ratios.get((wl, pair, key), [])) for pair, key in
+            (("on/off", "tok_s"), ("on/off", "p50"), ("on/direct", "tok_s"), ("on/direct", "p50"), ("off/direct", "tok_s")))
+            + " | |")
+        out.append("")
+    return out, ratios
+
+
 def targets(all_ratios: dict, rows_in: list[dict] | None = None) -> list[str]:
     def get(wl, key):
         return all_ratios.get(wl, {}).get(key, [])
@@ -165,6 +228,8 @@ def targets(all_ratios: dict, rows_in: list[dict] | None = None) -> list[str]:
             ("(b) evict: output tok/s hps / cache_aware", get("evict", ("cache_aware", "tok_s")), ">= 1.05", 1.05, True),
             ("(a) fit: hit tokens / best possible (hps)", get("fit", ("hits", "frac")), ">= 0.99", 0.99, True),
             ("stress: output tok/s hps / direct", get("stress", ("direct", "tok_s")), ">= 0.99", 0.99, True),
+            ("stress, tenancy on: output tok/s / direct", all_ratios.get("tenancy", {}).get(("stress", "on/direct", "tok_s"), []),
+             ">= 0.99", 0.99, True),
             ("stand-ins: chunks/s 2 workers / 1", [r["ratio_2_over_1"] for r in workers_results(rows_in or [])
                                                     if r.get("ratio_2_over_1")], ">= 1.8", 1.8, True)]
     out = ["| target | measured: mean (range) | goal | met (every round / on the mean) |", "|---|---|---|---|"]
@@ -211,6 +276,8 @@ def main() -> int:
         lines, ratios = workload_tables(rows, wl)
         body += lines
         all_ratios[wl] = ratios
+    ten_lines, all_ratios["tenancy"] = tenancy_tables(rows)
+    body += ten_lines
     reps = [r for r in rows if r.get("phase") == "rt" and r.get("step") == "replicas"]
     out = ["## Targets", ""] + targets(all_ratios, rows)
     if not only_targets:
