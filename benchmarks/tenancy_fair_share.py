@@ -158,8 +158,7 @@ def main() -> int:
             for url in urls:
                 router.add(url, capacity=args.max_num_seqs)
             targets[mode] = (router.url, keys if mode == "fair" else {"A": KEY, "B": KEY})
-        finish(asyncio.run(run(targets, argparse.Namespace(**vars(args), engines=urls))),
-               argparse.Namespace(**vars(args)))
+        finish(asyncio.run(run(targets, argparse.Namespace(**vars(args), engines=urls))), args)
     return 0
 
 
