@@ -222,14 +222,14 @@ def test_fair_share_holds_a_lone_users_excess_and_starts_a_newcomer_in_a_free_pl
         router.start([])
         for _, url in stubs:
             router.add(url, capacity=2)
-        with httpx.Client(timeout=30, trust_env=False, limits=httpx.Limits(max_connections=40)) as client:
-            with ThreadPoolExecutor(17) as pool:
-                heavy = [pool.submit(first_byte_s, client, heavy_key) for _ in range(16)]
-                wait_until(lambda: router.backends_json()["waiting"] == 10, 5, "the lone user's excess to wait")
-                assert sum(b["in_flight"] for b in router.backends_json()["backends"]) == 6  # 2 + 1 per engine
-                light = pool.submit(first_byte_s, client, light_key).result()
-                assert light < 0.9, light  # the first batch's end (0.5 s), not the heavy queue's (~2 s)
-                assert max(f.result() for f in heavy) > 1.5  # the heavy user's queue did wait
+        with (httpx.Client(timeout=30, trust_env=False, limits=httpx.Limits(max_connections=40)) as client,
+              ThreadPoolExecutor(17) as pool):
+            heavy = [pool.submit(first_byte_s, client, heavy_key) for _ in range(16)]
+            wait_until(lambda: router.backends_json()["waiting"] == 10, 5, "the lone user's excess to wait")
+            assert sum(b["in_flight"] for b in router.backends_json()["backends"]) == 6  # 2 + 1 per engine
+            light = pool.submit(first_byte_s, client, light_key).result()
+            assert light < 0.9, light  # the first batch's end (0.5 s), not the heavy queue's (~2 s)
+            assert max(f.result() for f in heavy) > 1.5  # the heavy user's queue did wait
     finally:
         router.stop()
         router.close()
