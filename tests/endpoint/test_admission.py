@@ -167,21 +167,34 @@ def test_fair_share_picks_projects_by_share_then_users_within_them():
     assert {u for p, u in picks if p == "a"} == {"a1", "a2"}  # a's turns go round its users
 
 
+def test_a_user_alone_takes_every_place_and_no_more():
+    fair = FairShare({})
+    fair.arrived("p", "alone", 0.0)
+    assert fair.may_go("p", "alone", admitted=9, capacity=8, slots=10, now=0.0)  # the extra places too
+    assert not fair.may_go("p", "alone", admitted=10, capacity=8, slots=10, now=0.0)  # the rest wait here
+    fair.arrived("q", "other", 0.0)
+    assert not fair.may_go("q", "other", admitted=8, capacity=8, slots=10, now=0.0)  # shared: no engine queue
+    assert fair.may_go("q", "other", admitted=7, capacity=8, slots=10, now=0.0)  # a free place in a batch
+
+
 def test_while_the_replicas_are_full_a_light_user_passes_a_heavy_users_queue():
     async def scenario():
         table = RoutingTable()
-        table.update([BackendSpec(A, capacity=1)])  # room for 2 in flight (capacity + 1)
+        table.update([BackendSpec(A, capacity=2)])  # 2 run at once, 3 places (capacity + 1)
         admission = Admission(table, 0.0, fair=FairShare({}))
-        alone = [await admission.enter(None, "p-heavy", "heavy") for _ in range(4)]
-        assert admission.admitted == 4  # alone: nothing to share, all go (they queue in the engine)
+        heavy = [asyncio.ensure_future(admission.enter(None, "p-heavy", "heavy")) for _ in range(6)]
+        await asyncio.sleep(0)
+        admitted = [t for t in heavy if t.done()]
+        assert len(admitted) == 3 and len(admission.waiting) == 3  # alone: the places, the rest wait here
         light = asyncio.ensure_future(admission.enter(None, "p-light", "light"))
-        heavy = [asyncio.ensure_future(admission.enter(None, "p-heavy", "heavy")) for _ in range(3)]
         await asyncio.sleep(0)
-        assert not light.done() and not any(t.done() for t in heavy)  # full, and shared now: both wait here
-        for ticket in alone[:3]:
-            admission.leave(ticket)  # down to 1 in flight: one place
+        assert not light.done()  # full: it waits here, not in the engine's queue
+        admission.leave(admitted[0].result())
         await asyncio.sleep(0)
-        assert light.done() and not any(t.done() for t in heavy)  # it goes to the light user, not the queue
+        assert not light.done()  # 2 in flight: the engine's batch is full (heavy's queued one runs now)
+        admission.leave(admitted[1].result())
+        await asyncio.sleep(0)
+        assert light.done() and len(admission.waiting) == 3  # a free place in the batch: the light user's
         for task in heavy:
             task.cancel()
 

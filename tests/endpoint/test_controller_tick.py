@@ -111,6 +111,7 @@ class PlaneInMemory:
     desired: dict[str, int] = field(default_factory=dict)  # url -> capacity, in join order
     saturated: set[str] = field(default_factory=set)
     broken: Exception | None = None
+    waiting: int = 0  # requests its admission keeps waiting (GET /backends)
 
     def answer(self) -> None:
         if self.broken is not None:
@@ -151,6 +152,11 @@ class PlaneInMemory:
     def migrations(self, after: float) -> list[dict]:
         self.answer()
         return []
+
+    def backends_json(self) -> dict:
+        self.answer()
+        return {"waiting": self.waiting, "backends": [{"url": url, "capacity": capacity}
+                                                      for url, capacity in self.desired.items()]}
 
 
 @dataclass
@@ -235,6 +241,16 @@ def test_a_queue_above_target_on_the_engines_launches_one_more_replica(endpoint)
     scale_up = [reason for action, reason in end.actions() if action == "scale up"]
     assert len(scale_up) == 1 and "5.0 requests waiting per replica" in scale_up[0], end.actions()
     assert end.ctl.autoscaler.last is not None and end.ctl.autoscaler.last["action"] == "up"
+
+
+def test_a_queue_in_the_data_plane_launches_one_more_replica_while_the_engines_queue_nothing(endpoint):
+    spec = AutoscaleSpec(min=1, max=2, target_queue=2, scale_up_after_s=0.05)
+    end = endpoint(config(autoscale=spec))
+    end.start()
+    end.plane.waiting = 7  # fair share holds a user's excess in the data plane; the engine's queue is empty
+    end.tick_until(lambda: len(end.ctl.members) > 1)
+    scale_up = [reason for action, reason in end.actions() if action == "scale up"]
+    assert len(scale_up) == 1 and "7.0 requests waiting per replica" in scale_up[0], end.actions()
 
 
 def test_a_step_that_fails_is_an_error_decision_and_the_rest_of_the_round_runs(endpoint, tmp_path):

@@ -49,6 +49,15 @@ def test_queue_above_target_for_the_whole_window_adds_a_replica():
     assert decision.action == "up" and "waiting per replica" in decision.reason
 
 
+def test_requests_the_data_plane_keeps_waiting_count_in_the_queue():
+    # Fair share holds a user's excess in the data plane: the engines' own queues stay near empty
+    held = [LoadSample(t, {"a": 0.0, "b": 1.0}, {"a": 4.0, "b": 4.0}, queued=11) for t in range(0, 12)]
+    decision = decide_scale(SPEC, held, replicas=2, starting=0, idle_since={}, now=11)
+    assert decision.action == "up" and "6.0 requests waiting per replica" in decision.reason
+    engines_only = [LoadSample(t, {"a": 0.0, "b": 1.0}, {"a": 4.0, "b": 4.0}) for t in range(0, 12)]
+    assert decide_scale(SPEC, engines_only, 2, 0, {}, now=11).action == "hold"
+
+
 def test_a_short_burst_does_not_scale():
     history = samples(1, range(0, 5)) + samples(9, range(5, 12))
     assert decide_scale(SPEC, history, 1, 0, {}, now=11).action == "hold"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -189,3 +190,49 @@ def test_on_postgresql_keys_revocation_and_usage_work_alike(tmp_path, postgres_u
         revoke(store, record.key_id)
         time.sleep(1.0)
         assert [post(router, key).status_code for _ in range(10)] == [401] * 10
+
+
+def test_fair_share_holds_a_lone_users_excess_and_starts_a_newcomer_in_a_free_place(tmp_path):
+    """Two stand-ins that run 2 requests each and queue the rest (--max-num-seqs 2), 0.5 s a request. A
+    user alone gets the pool's places (2 + 1 per engine): the excess waits in the data plane, where the
+    controller counts it; a second user's request then starts in the first free place of an engine's
+    batch, long before the first user's queue drains."""
+    settings = tmp_path / "tenancy.json"
+    database = str(tmp_path / "tenancy.sqlite")
+    settings.write_text(json.dumps(TenancySettings(database, Limits(), FLUSH_S).to_json()))
+    stubs = start_stubs(["a", "b"], tmp_path, token_delay_ms=50, slots=[2, 2])
+    router = Router("127.0.0.1", free_port(), key_file(tmp_path), tmp_path / "plane.log", model="stub",
+                    admin_socket=tmp_path / "plane" / "admin.sock", options=["--tenancy", str(settings)])
+    store = open_store(database)
+    heavy_key, _ = add_key(store, "heavy", project="batch")
+    light_key, _ = add_key(store, "light", project="chat")
+    body = {"model": "stub", "prompt": "hello", "max_tokens": 10, "stream": True}
+
+    def first_byte_s(client: httpx.Client, key: str) -> float:
+        started = time.monotonic()
+        with client.stream("POST", f"{router.url}/v1/completions", json=body,
+                           headers={"Authorization": f"Bearer {key}"}) as response:
+            assert response.status_code == 200
+            first = None
+            for _ in response.iter_bytes():
+                first = time.monotonic() if first is None else first
+        return (first or time.monotonic()) - started
+
+    try:
+        router.start([])
+        for _, url in stubs:
+            router.add(url, capacity=2)
+        with (httpx.Client(timeout=30, trust_env=False, limits=httpx.Limits(max_connections=40)) as client,
+              ThreadPoolExecutor(17) as pool):
+            heavy = [pool.submit(first_byte_s, client, heavy_key) for _ in range(16)]
+            wait_until(lambda: router.backends_json()["waiting"] == 10, 5, "the lone user's excess to wait")
+            assert sum(b["in_flight"] for b in router.backends_json()["backends"]) == 6  # 2 + 1 per engine
+            light = pool.submit(first_byte_s, client, light_key).result()
+            assert light < 0.9, light  # the first batch's end (0.5 s), not the heavy queue's (~2 s)
+            assert max(f.result() for f in heavy) > 1.5  # the heavy user's queue did wait
+    finally:
+        router.stop()
+        router.close()
+        store.close()
+        for proc, _ in stubs:
+            stop(proc)

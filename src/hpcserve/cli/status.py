@@ -85,7 +85,7 @@ def deployment_lines(r: api.DeploymentStatus) -> list[str]:
     lines += [f"  swap: {line}" for line in r.swap]
     if r.admission_waiting:
         lines.append(f"  {r.admission_waiting} request(s) waiting for room in the KV caches, cached prefixes "
-                     "first (serve.admit_kv_share)")
+                     "first (serve.admit_kv_share), or for a place in the replicas' batches (tenancy: fair share)")
     if r.endpoint:
         lines.append(f"  endpoint {r.endpoint}/v1")
     if len(r.models) > 1:  # several models behind the URL: each with its state

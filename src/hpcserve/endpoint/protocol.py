@@ -178,7 +178,7 @@ class Backends:
     policy: str | None = None
     hold_s: float | None = None  # how long a request is held while no backend can take it, then 503
     held: int = 0  # requests held now
-    waiting: int = 0  # requests admission keeps waiting for room in the KV caches
+    waiting: int = 0  # requests admission keeps waiting: for room in the KV caches, or a place (fair share)
     workers: int = 1
 
     @classmethod

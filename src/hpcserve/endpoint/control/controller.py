@@ -200,6 +200,17 @@ class Controller:
         in_flight = sum(b.in_flight for b in answer.backends) + sum(b.in_flight for b in answer.retired)
         return PlaneLoad(in_flight, answer.held)
 
+    def plane_queue(self) -> int:
+        """The requests the data plane keeps waiting for the model (admission: fair share holds a user's
+        excess there), for the autoscaler: asked only when it is on; 0 while the data plane does not answer."""
+        if self.cfg.autoscale is None:
+            return 0
+        try:
+            return Backends.from_json(self.router.backends_json()).waiting
+        except RouterError as exc:
+            log.debug("the data plane's queue is not known this round: %s", exc)
+            return 0
+
     def base_layout(self) -> Layout:
         return Layout(**self.members[0].layout)
 
@@ -386,7 +397,7 @@ class Controller:
         """The probes' results taken in (endpoint.control.pool: every replica is probed once a second, spread
         over the second); a member whose replica failed its probes stops, and self-healing replaces it."""
         self.pool.step()
-        self.pool.record_sample()
+        self.pool.record_sample(self.plane_queue())
         leaving = set(self.pool.leaving())
         stops = []
         for member in self.members:

@@ -103,15 +103,18 @@ def reads_due(backends: list[str], loads: dict[str, EngineLoad], paused: set[str
 
 @dataclass(frozen=True)
 class LoadSample:
-    """One scrape of every active backend: requests waiting and running on each (from /metrics)."""
+    """One scrape of every active backend: requests waiting and running on each (from /metrics), and those
+    the data plane keeps waiting for the model (its admission: fair share holds a user's excess there, not
+    in the engines' queues)."""
 
     time: float
     waiting: dict[str, float]
     running: dict[str, float]
     finished: dict[str, float] = field(default_factory=dict)  # each engine's finished-requests counter
+    queued: int = 0  # waiting in the data plane
 
     def waiting_per_replica(self) -> float:
-        return sum(self.waiting.values()) / max(1, len(self.waiting))
+        return (sum(self.waiting.values()) + self.queued) / max(1, len(self.waiting))
 
 
 @dataclass(frozen=True)

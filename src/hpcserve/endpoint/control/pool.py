@@ -151,15 +151,16 @@ class Pool:
         """The backends that answer too late (decisions.is_suspect): skipped for new requests meanwhile."""
         return {url for url in self.backends() if is_suspect(self.probes.get(url, []))}
 
-    def record_sample(self) -> None:
-        """Every backend's last known load as one sample, once a round, for the autoscaler."""
+    def record_sample(self, queued: int = 0) -> None:
+        """Every backend's last known load as one sample, once a round, for the autoscaler; queued: the
+        requests the data plane keeps waiting for the model."""
         backends = [url for url in self.backends() if url in self.loads]
         if not backends:
             return
         loads = {url: self.loads[url] for url in backends}
         finished = {url: load.finished for url, load in loads.items() if load.finished is not None}
         self.history.append(LoadSample(time.time(), {u: ld.waiting for u, ld in loads.items()},
-                                       {u: ld.running for u, ld in loads.items()}, finished))
+                                       {u: ld.running for u, ld in loads.items()}, finished, queued))
         del self.history[:-HISTORY_SAMPLES]
 
     # ------------------------------------------------------------ load-aware rotation

@@ -48,7 +48,7 @@ class DeploymentStatus:
     decisions: list[dict] = field(default_factory=list)  # the endpoint's last decisions, with reasons
     advice: str | None = None  # what to run to put it right (an endpoint without its controller)
     holding: dict | None = None  # no replica takes requests: held now, since when, the members waited for
-    admission_waiting: int = 0  # requests waiting now for room in the replicas' KV caches (endpoint/dataplane/admission.py)
+    admission_waiting: int = 0  # requests the data plane's admission keeps waiting now (dataplane/admission.py)
     up: int | None = None  # replicas answering now (count_replicas); None: count `replicas`
     total: int | None = None  # replicas in the pool + lost ones still counted: "up/total up"
     lost: list[dict] = field(default_factory=list)  # every lost member (Loss), counted or not

@@ -19,13 +19,17 @@ works only where the prompt is known as token ids and every replica's KV cache s
 policy with the engines' KV events followed); otherwise every request goes at once. Each worker process of
 the data plane admits its own requests against its share (1 / workers) of the caches.
 
-Fair share (with tenants: users' own keys). Then requests also wait here while the replicas are full (the
-requests admitted reach the sum of the replicas' capacities, their engines' --max-num-seqs, plus one each so
-that no engine idles between two requests), rather than in the engines' first-come queues, and the next to
-go is chosen fairly: among the projects with requests waiting, the one with the least service so far for its
-weight (tenancy.shares, as Slurm's fair-share weights accounts), then among its users the same way with equal
-weights (start-time fair queueing, twice: a project or user that was idle gets no credit for it, and none is
-starved). Among one user's requests the order is the one above: a prefix held somewhere goes first.
+Fair share (with tenants: users' own keys). Then requests also wait here while the replicas are full,
+rather than in the engines' first-come queues, and the next to go is chosen fairly: among the projects with
+requests waiting, the one with the least service so far for its weight (tenancy.shares, as Slurm's fair-share
+weights accounts), then among its users the same way with equal weights (start-time fair queueing, twice: a
+project or user that was idle gets no credit for it, and none is starved). Among one user's requests the
+order is the one above: a prefix held somewhere goes first. Full means: for a user alone, the requests
+admitted reach the replicas' capacities (their engines' --max-num-seqs) plus one each, so that no engine
+idles between two requests; while several users are active, the capacities alone, so that an admitted
+request starts in a running batch at once (routing sends it to a replica with a free place) instead of
+waiting in an engine's queue behind another user's. Either way a lone user's excess waits here, not in the
+engines: the controller counts it as the model's queue (GET /backends "waiting") for the autoscaler.
 """
 
 from __future__ import annotations
@@ -165,14 +169,18 @@ class FairShare:
 
     def may_go(self, project: str, user: str, admitted: int, capacity: int, slots: int, now: float) -> bool:
         """Whether a request of this user may take a place now: admitted of slots taken, the replicas
-        running capacity at once."""
+        running capacity at once. A user alone may take all the slots (one request queued in each engine
+        keeps it busy between two requests); the rest wait here, where a newcomer can pass them. While
+        others are active, requests go only into free places of the running batches: one queued in an
+        engine would wait there behind whoever came first."""
         self.expire(now)
-        who = (project, user)
-        if self.active == 0 or (self.active == 1 and (who in self.seen or who in self.running)):
-            return True  # alone: nothing to share; requests queue in the engines as without tenants (the
-            # autoscaler reads the engines' queues)
         if admitted >= slots:
             return False
+        who = (project, user)
+        if self.active == 0 or (self.active == 1 and (who in self.seen or who in self.running)):
+            return True  # alone: every place, the extra one per engine included
+        if admitted >= capacity:
+            return False  # shared: only into a running batch; in an engine's queue no fair order reaches it
         if admitted < capacity - RESERVE:
             return True
         weight = self.shares.get(project, 1.0) / (self.weight_sum or 1.0)

@@ -124,8 +124,9 @@ class Collector:
         for name, doc in COUNTERS:
             yield CounterMetricFamily(f"hpcserve_router_{NAMES.get(name, name)}", doc, value=getattr(stats, name))
         yield GaugeMetricFamily("hpcserve_router_held", "Requests held now", value=stats.held)
-        yield GaugeMetricFamily("hpcserve_router_admission_waiting", "Requests waiting now for room in the "
-                                "replicas' KV caches", value=stats.admission_waiting)
+        yield GaugeMetricFamily("hpcserve_router_admission_waiting", "Requests waiting now in admission: for "
+                                "room in the replicas' KV caches, or a place (fair share)",
+                                value=stats.admission_waiting)
         yield GaugeMetricFamily("hpcserve_router_streams_open", "Streams under way that may continue on another "
                                 "replica (their first chunk passed on)", value=stats.streams_open)
         yield GaugeMetricFamily("hpcserve_router_prefix_index_blocks", "Prompt blocks the routing index holds "
