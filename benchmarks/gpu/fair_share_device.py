@@ -94,6 +94,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     urls = [u.rstrip("/") for u in args.urls.split(",") if u]
+    args.engines = urls  # tenancy_fair_share.phase reads their occupancy (running / max-num-seqs) from /metrics
     print(f"engines ready after {wait_engines(urls, args.ready_s)} s of waiting", flush=True)
     with workspace("hpcserve-fair-gpu-") as here:
         try:
