@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 SRC = REPO / "src" / "hpcserve"
 # Imported inside functions on purpose: heavy, optional, or only present where the code runs there.
 HEAVY = ("ray", "vllm", "vllm_router", "vllm_router_rs", "torch", "transformers", "tokenizers", "matplotlib",
-         "numpy", "pynvml", "uvloop", "setproctitle", "zmq")
+         "numpy", "pynvml", "uvloop", "setproctitle", "zmq", "psycopg")
 
 
 def test_import_linter_contracts_hold(tmp_path):

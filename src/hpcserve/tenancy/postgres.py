@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-
-import psycopg
+from typing import TYPE_CHECKING
 
 from hpcserve.tenancy import tables
 from hpcserve.tenancy.records import GroupBy, KeyRecord, UsageRow, UsageTotal, WindowCounts
+
+if TYPE_CHECKING:
+    import psycopg
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +96,8 @@ class PostgresStore:
         return f"<{type(self).__name__}>"
 
     def _connect(self) -> psycopg.Connection:
+        import psycopg  # only a service that names a PostgreSQL server needs the driver (SQLite is the default)
+
         # autocommit: a read is its own statement; every write is in an explicit transaction (conn.transaction())
         return psycopg.connect(self.__url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S,
                                application_name="hpcserve")

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
+from hpcserve.tenancy.postgres import PostgresStore
 from hpcserve.tenancy.records import GroupBy, KeyRecord, UsageRow, UsageTotal, WindowCounts
 from hpcserve.tenancy.sqlite import SqliteStore
 
@@ -60,8 +61,5 @@ def open_store(url: str | Path) -> Store:
     SQLite file (made, mode 0600, with its tables, when missing)."""
     text = str(url)
     if text.startswith(("postgresql://", "postgres://")):
-        # Imported here: the PostgreSQL driver is needed only by a service that names a server
-        from hpcserve.tenancy.postgres import PostgresStore
-
         return PostgresStore(text)
     return SqliteStore(Path(text.removeprefix("sqlite://")))
