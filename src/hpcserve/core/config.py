@@ -252,7 +252,8 @@ class AutoscaleSpec(Strict):
     min: int = Field(1, ge=0, description="replicas always kept; 0: the model sleeps after autoscale.idle_s "
                      "without a request (no job runs) and the next request wakes it")
     max: int = Field(4, ge=1, description="replicas at most")
-    target_queue: float = Field(4.0, gt=0, description="waiting requests per replica above which one is added")
+    target_queue: float = Field(4.0, gt=0, description="waiting requests per replica above which one is added "
+                                "(those the engines queue and those the data plane holds back)")
     scale_up_after_s: float = Field(10.0, gt=0, description="how long the queue must stay above target")
     scale_down_after_s: float = Field(60.0, gt=0, description="how long a replica must be idle to be removed")
     idle_s: float | None = Field(None, gt=0, description="with min 0: how long the model must go without a request "
