@@ -106,10 +106,12 @@ def summary(blocks: list[dict], stream: bool) -> dict:
 
 
 async def measure(targets: dict[str, tuple[str, int, list[str]]], args: argparse.Namespace) -> dict:
-    results = {}
+    results: dict = {"warm_up_requests_on": 0}
     for stream in (False, True):
-        for mode in MODES:  # warm connections and caches, unmeasured
-            await block(*targets[mode], args.clients, stream, args.tokens, 1.0)
+        for mode in MODES:  # warm connections and caches, unmeasured (their usage rows are counted)
+            warm = await block(*targets[mode], args.clients, stream, args.tokens, 1.0)
+            if mode == "on":
+                results["warm_up_requests_on"] += warm["requests"] + warm["failed"]
         runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
         for index in range(args.blocks):
             for mode in MODES[::-1] if index % 2 else MODES:
@@ -168,8 +170,8 @@ def main() -> int:
         store = open_store(database)
         rows = len(store.rows(started - 5))
         store.close()
-        answered_on = sum(results[k]["on"]["requests"] for k in ("plain", "streamed"))
-        results["usage_rows"] = {"rows": rows, "answered_on_with_warmups": answered_on}
+        answered_on = sum(results[k]["on"]["requests"] + results[k]["on"]["failed"] for k in ("plain", "streamed"))
+        results["usage_rows"] = {"rows": rows, "requests_on_with_warm_ups": answered_on + results.pop("warm_up_requests_on")}
         finish(results, args)
     return 0
 

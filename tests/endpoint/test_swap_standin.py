@@ -16,6 +16,7 @@ from zero_endpoint import HTTP, decisions, local_endpoint, state
 
 from hpcserve import api
 from hpcserve.core.runstate import RunState
+from hpcserve.endpoint.control.joining import joined_deployments, refuse_down_while_joined
 from hpcserve.testing.harness import wait_until
 
 NAME = "st-swap"
@@ -90,3 +91,11 @@ def test_a_burst_for_both_models_fails_nothing(endpoint):
     with ThreadPoolExecutor(8) as pool:
         codes = list(pool.map(lambda i: ask(url, (FIRST, OTHER)[i % 2]), range(8)))
     assert codes == [200] * 8
+
+
+def test_its_swap_models_do_not_hold_its_down_back(endpoint):
+    """Their rooms are made as joined models' are; they are the deployment's own, not another deployment's."""
+    record, url = endpoint
+    assert model_states(url).keys() == {FIRST, OTHER}
+    assert joined_deployments(record) == []
+    refuse_down_while_joined(record)  # no UsageError: `hpcserve down` goes on

@@ -156,7 +156,8 @@ def joined_deployments(record: Record) -> list[str]:
             continue
         if other.serve.join == record.name:
             owners[other.model.name] = name
-    return [f"{model} ({owners[model]})" if model in owners else model for model in models.joined()]
+    own = {spec.name for spec in cfg.swap.models} if cfg.swap else set()  # its swap models' rooms are its own
+    return [f"{model} ({owners[model]})" if model in owners else model for model in models.joined() if model not in own]
 
 
 def refuse_down_while_joined(record: Record) -> None:
