@@ -15,6 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import psutil
 import pytest
 from helpers import SMALL_KV_CACHE, free_port, own_tmp_env
 from migration_cases import cut_anywhere
@@ -209,7 +210,7 @@ def test_prefills_wait_while_the_caches_are_taken_and_held_prefixes_go_first(eng
 
     sizes = {url: kv_cache_size(url, KEY) for url in urls}
     assert all(isinstance(size, int) and size > 0 for size in sizes.values()), sizes
-    share = 450 / sum(sizes.values())  # prompts of ~321 tokens: A and C fit, A and B do not
+    share = 450 / sum(sizes.values())  # prompts of 322 and 261 tokens: A and C (A's repeat) fit, A and B do not
     router = Router("127.0.0.1", free_port(), key_file(directory), directory / "router-admit.log", model=MODEL,
                     policy=Routing.PREFIX, admin_socket=directory / "admit" / "admin.sock",
                     options=["--tokenizer", str(tiny_model_path()), "--admit-kv-share", f"{share:.9f}"])
@@ -221,7 +222,9 @@ def test_prefills_wait_while_the_caches_are_taken_and_held_prefixes_go_first(eng
         live = lambda: [b.get("kv_events") for b in router.backends_json()["backends"]] == ["live", "live"]  # noqa: E731
         wait_until(live, 30, "both engines' KV events followed")
         waiting = lambda: router.backends_json()["waiting"]  # noqa: E731
-        text_a = "a prompt of several blocks " * 20
+        # A prompt no earlier test sent: its blocks are stored now, so their KV events tell this new data plane
+        # that A's engine holds them (blocks cached before it subscribed publish nothing: C would not be held)
+        text_a = "one prompt of several blocks " * 20
         under_way, ended = threading.Event(), {}
 
         def send(name: str, body: dict) -> None:
@@ -236,23 +239,35 @@ def test_prefills_wait_while_the_caches_are_taken_and_held_prefixes_go_first(eng
                                                         "ignore_eos": True, "stream": True}))
         a.start()
         assert under_way.wait(60), "A's stream did not start"
-        # A's engine stays frozen until B is seen waiting: however fast the engine, A is still in flight then
+        # A's engine core stays frozen until B is seen waiting: however fast the engine, A is still in flight
+        # then. Its API server runs on: its KV events' heartbeats keep the data plane's view of the caches live
+        # (a feed silent for 5 s is dropped, and admission with it)
         busy = [proc for proc, url in started
                 for b in router.backends_json()["backends"] if b["url"] == url and b["in_flight"]]
         assert len(busy) == 1, "A's stream should be in flight on one engine"
-        os.killpg(busy[0].pid, signal.SIGSTOP)
+        core = psutil.Process(busy[0].pid).children(recursive=True)
+        assert core, "vLLM's engine core runs in a process of its own"
+        for each in core:
+            each.send_signal(signal.SIGSTOP)
         try:
             b = threading.Thread(target=send, args=("B", {"model": MODEL, "max_tokens": 1,
                                                             "prompt": "another text of many words " * 20}))
             b.start()
             wait_until(lambda: waiting() == 1, 10, "B waiting in the data plane")
+            # C runs on A's engine (it holds A's prompt) in short steps: A, a few tokens further, is still
+            # in flight when C is answered, however fast the engine
+            c = threading.Thread(target=send, args=("C", {"model": MODEL, "prompt": text_a + "and one more question",
+                                                            "max_tokens": 1}))
+            c.start()
+            _run_until(" ".join(str(each.pid) for each in core), lambda: "C" in ended, "C answered")
+            assert "A" not in ended, "A ended before C was answered: the test needs a longer stream"
+            assert waiting() == 1 and "B" not in ended  # C went before B, which still waits for room
         finally:
-            os.killpg(busy[0].pid, signal.SIGCONT)
-        send("C", {"model": MODEL, "prompt": text_a + "and one more question", "max_tokens": 1})
-        assert "A" not in ended, "A ended before C was answered: the test needs a longer stream"
-        assert waiting() == 1 and "B" not in ended  # C went before B, which still waits for room
+            for each in core:
+                each.send_signal(signal.SIGCONT)
         a.join(120)
         b.join(120)
+        c.join(120)
         # B's answer may reach its client before A's last bytes reach A's thread: only C's order is asserted
         assert ended["B"] > ended["C"] and "A" in ended
         assert waiting() == 0
@@ -299,7 +314,7 @@ def test_spread_drain_kill_and_add(router, engines):
     os.killpg(proc_b.pid, signal.SIGSTOP)  # frozen before the stream starts: it runs only in _run_until's steps
     reader.start()
     try:
-        _run_until(proc_b, lambda: _streams_open(router) == 1, "the stream to be handed over under way")
+        _run_until(f"-{proc_b.pid}", lambda: _streams_open(router) == 1, "the stream to be handed over under way")
         router.add(url_a)
         router.remove(url_b, drain_s=0, hand_over=True)  # out of the pool, its open streams moved now
         _wait(lambda: [m for m in router.migrations(0) if m["from"] == url_b], 60)
@@ -344,7 +359,7 @@ def test_spread_drain_kill_and_add(router, engines):
     os.killpg(proc_a.pid, signal.SIGSTOP)  # frozen before the streams start: they run only in _run_until's steps
     [reader.start() for reader in readers]
     try:
-        _run_until(proc_a, lambda: _streams_open(router) == len(streams), "the streams to be cut under way")
+        _run_until(f"-{proc_a.pid}", lambda: _streams_open(router) == len(streams), "the streams to be cut under way")
         frozen, under_way_s = time.monotonic(), time.monotonic() - started
         router.add(url_b)
         served_b = _served(url_b)
@@ -392,16 +407,16 @@ def _streams_open(router: Router) -> int:
     raise AssertionError("the data plane's metrics have no hpcserve_router_streams_open")
 
 
-def _run_until(proc: subprocess.Popen, condition, what: str, timeout_s: float = 180, step_s: float = 0.05) -> None:
-    """Let a frozen engine (its process group) run in steps of step_s, frozen (SIGSTOP) between them, until
-    condition() holds while it is frozen; it is left frozen. The condition asks the data plane, not this
-    process's readers (starved of CPU, they read a stream's 5th event after the engine had made 367 of 400
-    tokens).
+def _run_until(frozen: str, condition, what: str, timeout_s: float = 180, step_s: float = 0.05) -> None:
+    """Let frozen processes (`kill`'s operands: "-PGID" for an engine's process group, or PIDs) run in steps
+    of step_s, frozen (SIGSTOP) between them, until condition() holds while they are frozen; they are left
+    frozen. The condition asks the data plane, not this process's readers (starved of CPU, they read a
+    stream's 5th event after the engine had made 367 of 400 tokens).
     Each step is one shell's `kill -CONT; sleep; kill -STOP`, run at real-time priority where this process may
     (root): timed by this process, or by a shell of ordinary priority, a step lasted up to 3.9 s on a loaded
     machine, long enough for a stream of 1,500 tokens to end before it was seen. (Left running until the first
     step, the engine had finished every stream when that step's shell took 5 s to start.)"""
-    step = ["sh", "-c", f"kill -s CONT -- -{proc.pid}; sleep {step_s}; kill -s STOP -- -{proc.pid}"]
+    step = ["sh", "-c", f"kill -s CONT -- {frozen}; sleep {step_s}; kill -s STOP -- {frozen}"]
     if os.geteuid() == 0 and shutil.which("chrt"):
         step = ["chrt", "--fifo", "50", *step]
     deadline = time.monotonic() + timeout_s
