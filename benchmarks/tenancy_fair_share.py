@@ -127,6 +127,29 @@ async def run(targets: dict[str, tuple[str, dict[str, str]]], args: argparse.Nam
     return results
 
 
+def mode_targets(here, urls: list[str], capacity: int, model: str = "tiny",
+                 workers: int = 1) -> dict[str, tuple[str, dict[str, str]]]:
+    """One data plane per mode over the engines (each told its capacity): fair share with A's and B's own keys
+    (projects of equal shares), first come first served with the deployment's key for both."""
+    key_file = here.key_file(KEY)
+    database = here.folder / "tenancy.sqlite"
+    store = open_store(database)
+    keys = {"A": add_key(store, "a", project="pa")[0], "B": add_key(store, "b", project="pb")[0]}
+    store.close()
+    settings = here.tenancy(database)
+    targets = {}
+    for mode in MODES:
+        router = Router("127.0.0.1", free_port(), key_file, here.folder / f"plane-{mode}.log", model=model,
+                        admin_socket=here.folder / mode / "admin.sock", workers=workers,
+                        options=["--tenancy", str(settings)] if mode == "fair" else [])
+        here.routers.append(router)
+        router.start([])
+        for url in urls:
+            router.add(url, capacity=capacity)
+        targets[mode] = (router.url, keys if mode == "fair" else {"A": KEY, "B": KEY})
+    return targets
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--phase-s", type=float, default=30.0)
@@ -142,22 +165,7 @@ def main() -> int:
         # were not comparable.
         engines, urls = start_engines(here.folder, extra=("--max-num-seqs", str(args.max_num_seqs), "--enforce-eager"))
         here.processes += engines
-        key_file = here.key_file(KEY)
-        database = here.folder / "tenancy.sqlite"
-        store = open_store(database)
-        keys = {"A": add_key(store, "a", project="pa")[0], "B": add_key(store, "b", project="pb")[0]}
-        store.close()
-        settings = here.tenancy(database)
-        targets = {}
-        for mode in MODES:
-            router = Router("127.0.0.1", free_port(), key_file, here.folder / f"plane-{mode}.log", model="tiny",
-                            admin_socket=here.folder / mode / "admin.sock",
-                            options=["--tenancy", str(settings)] if mode == "fair" else [])
-            here.routers.append(router)
-            router.start([])
-            for url in urls:
-                router.add(url, capacity=args.max_num_seqs)
-            targets[mode] = (router.url, keys if mode == "fair" else {"A": KEY, "B": KEY})
+        targets = mode_targets(here, urls, args.max_num_seqs)
         finish(asyncio.run(run(targets, argparse.Namespace(**vars(args), engines=urls))), args)
     return 0
 

@@ -25,15 +25,10 @@ import sys
 import time
 from pathlib import Path
 
-from router import KEY
 from tenancy_bench import finish, workspace
-from tenancy_fair_share import phase, run
+from tenancy_fair_share import mode_targets, phase, run
 
-from hpcserve.core.net import free_loopback_port as free_port
-from hpcserve.endpoint.control.plane_client import Router
 from hpcserve.engine.client import completion_probe
-from hpcserve.tenancy.keyring import add_key
-from hpcserve.tenancy.store import open_store
 
 MODEL = "tiny"  # what tenancy_fair_share.stream asks for
 CALIBRATE_S = 10.0
@@ -98,22 +93,7 @@ def main() -> int:
     print(f"engines ready after {wait_engines(urls, args.ready_s)} s of waiting", flush=True)
     with workspace("hpcserve-fair-gpu-") as here:
         try:
-            key_file = here.key_file(KEY)
-            database = here.folder / "tenancy.sqlite"
-            store = open_store(database)
-            keys = {"A": add_key(store, "a", project="pa")[0], "B": add_key(store, "b", project="pb")[0]}
-            store.close()
-            settings = here.tenancy(database)
-            targets = {}
-            for mode in ("fair", "fcfs"):
-                router = Router("127.0.0.1", free_port(), key_file, here.folder / f"plane-{mode}.log", model=MODEL,
-                                admin_socket=here.folder / mode / "admin.sock", workers=args.workers,
-                                options=["--tenancy", str(settings)] if mode == "fair" else [])
-                here.routers.append(router)
-                router.start([])
-                for url in urls:
-                    router.add(url, capacity=args.max_num_seqs)
-                targets[mode] = (router.url, keys if mode == "fair" else {"A": KEY, "B": KEY})
+            targets = mode_targets(here, urls, args.max_num_seqs, MODEL, args.workers)
             if args.b_rate <= 0:
                 a_rate = calibrate(*targets["fcfs"], args)
                 args.b_rate = round(max(a_rate * B_SHARE, 0.05), 3)
