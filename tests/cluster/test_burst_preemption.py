@@ -164,7 +164,8 @@ def test_a_preempted_burst_replica_hands_its_streams_over_and_is_replaced(slurm_
     assert streams and not failed and not broken, report
     # The burst replica was preempted (Slurm's PreemptTime), drained at once: its streams moved
     preempted = decisions("preempted")
-    assert preempted and preempted[0]["reason"].startswith(f"{burst['name']} got SIGUSR1"), report
+    # (by its SIGUSR1, or by its PreemptTime when Slurm's moved job end showed first)
+    assert preempted and preempted[0]["reason"].startswith(burst["name"]), report
     assert "preempted by Slurm" in preempted[0]["reason"], report
     assert any("(handover)" in d["reason"] for d in moved), report
     # ... and a replacement asked for: the main partition is at autoscale.max 1, so on scavenger again

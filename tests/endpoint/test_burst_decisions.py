@@ -72,6 +72,11 @@ def test_a_signal_ahead_of_the_time_limit_is_no_preemption():
     assert decision.action == "job ending" and "no PreemptTime" in decision.reason
 
 
+def test_a_moved_job_end_with_slurms_preempt_time_is_a_preemption_before_the_signal_is_seen():
+    decision = decide_preemption("sb-m1", None, job("2026-12-06T08:08:43"), now=101.0)
+    assert decision.action == "preempted" and "its signal not seen yet" in decision.reason
+
+
 def test_a_signalled_job_slurm_no_longer_shows_counts_as_preempted():
     assert decide_preemption("sb-m1", {"signal": "SIGUSR1", "time": 1.0}, None, now=2.0).action == "preempted"
 

@@ -169,7 +169,7 @@ class Endpoint:
         self.run_until(self.now + startup_s)
         self.empty_s = 0.0  # from the endpoint's first replica on
 
-    def launch(self, role, layout, replaces=None, group=0) -> Member:
+    def launch(self, role, layout, replaces=None, group=0, burst=False) -> Member:
         index = len(self.members)
         member = Member(f"m{index}", index, role, layout.model_dump(), {"job_id": str(100 + index), "run_dir": "/x"},
                         launched=self.now, replaces=replaces, group=group)

@@ -90,8 +90,9 @@ class Controller:
         self.autoscaler = Autoscaler(cfg.autoscale)
         self.sleeper = Sleeper(cfg.autoscale, cfg.engine.sleep_mode != "off")
         self.swapper = Swapper(cfg, swap_rooms or {})
-        self.policies: list[Policy] = [SelfHealing(), self.autoscaler, self.sleeper, self.swapper, Handover(cfg),
-                                       MigrationNotes(), MemberRequests(run_dir), Preemption(cfg.autoscale)]
+        self.policies: list[Policy] = [SelfHealing(), self.autoscaler, self.sleeper, self.swapper,
+                                       Preemption(cfg.autoscale), Handover(cfg), MigrationNotes(),
+                                       MemberRequests(run_dir)]
         self.decisions: list[Decision] = []
         self.failed_launches = 0  # members in a row that never became ready
         self.forwarded = 0

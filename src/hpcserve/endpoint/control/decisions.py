@@ -510,12 +510,17 @@ def place_replica(spec: AutoscaleSpec, base: int, burst: int, replacing_preempte
     return None
 
 
-def decide_preemption(member: str, notice: dict, job: JobInfo | None, now: float) -> ScaleDecision:
-    """A burst member's job got its --signal (notice: {"signal", "time"} from the member). "preempted" when
-    Slurm set the job's PreemptTime (or does not show the job), "job ending" when the signal came ahead of
-    its time limit (the walltime, not a preemption: no replacement here, the handover has one). Either way
-    the member is drained at once: Slurm ends the job soon. Pure."""
-    signalled = f"{member} got {notice.get('signal', 'a signal')} {now - float(notice.get('time') or now):.0f} s ago"
+def decide_preemption(member: str, notice: dict | None, job: JobInfo | None, now: float) -> ScaleDecision:
+    """A burst member's job got its --signal (notice: {"signal", "time"} from the member; None: its job's end
+    came due before the signal was seen). "preempted" when Slurm set the job's PreemptTime (or does not show
+    the job), "job ending" when the signal came ahead of its time limit (the walltime, not a preemption: no
+    replacement here, the handover has one). Either way the member is drained at once: Slurm ends the job
+    soon. Pure."""
+    if notice is None:
+        signalled = f"{member}'s job end came within {END_DRAIN_S:.0f} s, its signal not seen yet"
+    else:
+        signalled = (f"{member} got {notice.get('signal', 'a signal')} "
+                     f"{now - float(notice.get('time') or now):.0f} s ago")
     if job is None:
         return ScaleDecision("preempted", f"{signalled}; Slurm no longer shows its job: taken as preempted, "
                              "drained at once")

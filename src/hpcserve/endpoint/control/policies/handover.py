@@ -205,7 +205,8 @@ class Handover:
 
     def launch(self, ctl: ControlPlane, member: Member, reason: str, left_s: float) -> None:
         lead = self.lead(ctl, member.group)
-        successor = ctl.launch(MemberRole.SUCCESSOR, Layout(**member.layout), member.name, member.group)
+        successor = ctl.launch(MemberRole.SUCCESSOR, Layout(**member.layout), member.name, member.group,
+                               member.burst)  # a burst replica's successor stays on the burst partition
         member.successor = successor.name
         self.handing.add(member.name)
         self.launched[successor.name] = Launched(member.name, lead, left_s)
