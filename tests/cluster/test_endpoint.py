@@ -103,9 +103,9 @@ def test_endpoint_scales_with_the_queue_and_drains_when_idle(slurm_env, tmp_path
                           results_dir=str(tmp_path / "results"), serve={"port": 8600},
                           parallelism={"tensor": 1, "pipeline": 1, "replicas": 1},
                           engine={"args": ["--enforce-eager", "--max-num-seqs", "2", *SMALL_KV_CACHE]},
-                          # Idle for 30 s: the steady load (a request every 2 s) leaves no such gap.
+                          # Idle for 15 s: the steady load (a request every 2 s) leaves no such gap.
                           autoscale={"min": 1, "max": 2, "target_queue": 2, "scale_up_after_s": 5,
-                                     "scale_down_after_s": 30})
+                                     "scale_down_after_s": 15})
     with deployed(config, "sb-scale") as status:
         started = time.time()
         # The ramp: a burst far above one replica's capacity until the controller scales up (a fixed burst

@@ -65,7 +65,7 @@ def jobs(sandbox: Sandbox, client: SlurmClient):
     for job_id in ids:
         client.cancel(job_id)
     # The backfill pass that ends a grace time marks the freed nodes PLANNED (sinfo: "planned") for
-    # the high job; its next pass, bf_interval (30 s) later, clears that.
+    # the high job; its next pass, bf_interval (5 s on the sandbox) later, clears that.
     idle = wait_for(lambda: all(sandbox.node_state(n) == "idle" for n in sandbox.node_names()), 45)
     assert idle, {n: sandbox.node_state(n) for n in sandbox.node_names()}
 
