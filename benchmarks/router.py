@@ -58,12 +58,13 @@ class Target:
 
 # ------------------------------------------------------------------ backends and routers
 
-def start_stubs(directory: Path, tokens: int) -> tuple[list[subprocess.Popen], list[str]]:
+def start_stubs(directory: Path, tokens: int, extra: tuple[str, ...] = ()) -> tuple[list[subprocess.Popen], list[str]]:
+    """Two stand-ins (also for tenancy_fair_share.py's pool of places); extra: more stand-in arguments."""
     procs, urls = [], []
     for name in ("a", "b"):
         port = free_port()
         argv = [sys.executable, "-m", "hpcserve.testing.standin", "--port", str(port), "--name", name,
-                "--tokens", str(tokens)]
+                "--tokens", str(tokens), *extra]
         procs.append(spawn(argv, directory / f"stub-{name}.log", {"HPCSERVE_STUB_API_KEY": KEY}))
         urls.append(f"http://127.0.0.1:{port}")
     for url in urls:

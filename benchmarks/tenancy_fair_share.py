@@ -1,20 +1,26 @@
-"""Fair share on real vLLM: user A (a batch job, many requests in flight) and user B (a few requests a second)
+"""Fair share on real vLLM: user A (a batch job, many requests in flight) and user B (a tenth of A's request rate)
 into one full pool, with the data plane's fair share (tenancy on: A's and B's own keys, projects of equal
 shares) against first come first served (tenancy off: both send the deployment's key, requests queue in the
 engines). Side by side in one run.
 
-    flock /tmp/hpcserve-heavy.lock .venv/bin/python benchmarks/tenancy_fair_share.py [--phase-s 30]
-        [--a-in-flight 24] [--b-rate 0.5] [--tokens 32] [--max-num-seqs 4] [--json F]
+    flock /tmp/hpcserve-heavy.lock .venv/bin/python benchmarks/tenancy_fair_share.py [--phase-s 60]
+        [--a-in-flight 24] [--b-rate 0] [--tokens 16] [--max-num-seqs 4] [--json F]
+        [--standin-token-ms MS [--standin-first-ms MS]]
 
 Two vLLM CPU engines (the builtin tiny model, one core each, --max-num-seqs, their capacity told to the data
-plane). For each mode, three phases of --phase-s: B alone (an open loop at --b-rate requests/s), A alone (a
-closed loop of --a-in-flight streams), both. Each request is a streamed completion of --tokens tokens
+plane). --b-rate 0: B sends a tenth of A's request rate alone, measured for CALIBRATE_S through the first come
+first served data plane first (which also warms the engines). For each mode, three phases of --phase-s: B
+alone (an open loop at --b-rate requests/s), A alone (a closed loop of --a-in-flight streams), both. Each request is a streamed completion of --tokens tokens
 (ignore_eos). Reported per phase: B's time to first token (p50, p90), and the pool's throughput (completion
 tokens/s of both users, counted from the usage chunk), and the engines' occupancy: their running requests
 (vLLM's /metrics, read every OCCUPANCY_EVERY_S) over --max-num-seqs, on average. The figures the issue asks
 for: B's TTFT p50 with A over B's alone (target <= 1.25) and the pool's throughput with B over A alone's
 (target >= 0.97). On two shared cores the engines' speed moves between phases by more than that; the
 occupancy ratio (A and B over A alone) says whether places were left empty, whatever the speed.
+--standin-token-ms: stand-ins (hpcserve.testing.standin) instead of vLLM, each --max-num-seqs places served
+first come first served, a request's first token after --standin-first-ms and then one every MS: a pool
+shaped like the GPU's (whose throughput follows the places in use), on which the admission's choices show
+without an engine's noise; not a measure of an engine.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import time
 from pathlib import Path
 
 import aiohttp
-from router import KEY, start_engines
+from router import KEY, start_engines, start_stubs
 from tenancy_bench import finish, workspace
 
 from hpcserve.benchmark.summary import percentile
@@ -38,6 +44,8 @@ from hpcserve.tenancy.keyring import add_key
 from hpcserve.tenancy.store import open_store
 
 MODES = ("fair", "fcfs")
+CALIBRATE_S = 10.0
+B_SHARE = 0.1  # --b-rate 0: B sends a tenth of A's request rate alone (the issue's "A sends 10x B's rate")
 OCCUPANCY_EVERY_S = 0.25  # /metrics reads per engine: each costs its API server a few ms of a shared core
 
 
@@ -111,6 +119,13 @@ async def phase(url: str, keys: dict[str, str], users: str, args: argparse.Names
             "occupancy": round(sum(running) / len(running) / args.max_num_seqs, 3) if running else None}
 
 
+async def calibrate(url: str, keys: dict[str, str], args: argparse.Namespace) -> float:
+    """A's request rate alone (requests/s over CALIBRATE_S, the stragglers' tail included)."""
+    started = time.perf_counter()
+    got = await phase(url, keys, "A", argparse.Namespace(**{**vars(args), "phase_s": CALIBRATE_S}))
+    return got["a_requests"] / (time.perf_counter() - started)
+
+
 async def run(targets: dict[str, tuple[str, dict[str, str]]], args: argparse.Namespace) -> dict:
     results = {}
     for mode in MODES:
@@ -152,21 +167,37 @@ def mode_targets(here, urls: list[str], capacity: int, model: str = "tiny",
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--phase-s", type=float, default=30.0)
+    parser.add_argument("--phase-s", type=float, default=60.0)
     parser.add_argument("--a-in-flight", type=int, default=24)
-    parser.add_argument("--b-rate", type=float, default=0.5)
-    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--b-rate", type=float, default=0.0, help="B's requests/s; 0: a tenth of A's, measured")
+    parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=4)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--standin-token-ms", type=float, default=0.0,
+                        help="stand-ins instead of vLLM (see above)")
+    parser.add_argument("--standin-first-ms", type=float, default=40.0)
     args = parser.parse_args()
     with workspace("hpcserve-fair-bench-") as here:
-        # Eager: compiled, each new batch shape stalled its engine for seconds (tokens/s 10-47 over the first
-        # minutes, B's TTFT alone 0.56 s in the first mode and 0.03 s in the second), so the modes' phases
-        # were not comparable.
-        engines, urls = start_engines(here.folder, extra=("--max-num-seqs", str(args.max_num_seqs), "--enforce-eager"))
+        if args.standin_token_ms:
+            engines, urls = start_stubs(here.folder, args.tokens, (
+                "--model", "tiny", "--slots", str(args.max_num_seqs), "--token-delay-ms", str(args.standin_token_ms),
+                "--first-token-delay-ms", str(args.standin_first_ms)))
+        else:
+            # Eager: compiled, each new batch shape stalled its engine for seconds (tokens/s 10-47 over the
+            # first minutes, B's TTFT alone 0.56 s in the first mode and 0.03 s in the second), so the modes'
+            # phases were not comparable.
+            engines, urls = start_engines(here.folder, extra=("--max-num-seqs", str(args.max_num_seqs),
+                                                              "--enforce-eager"))
         here.processes += engines
         targets = mode_targets(here, urls, args.max_num_seqs)
-        finish(asyncio.run(run(targets, argparse.Namespace(**vars(args), engines=urls))), args)
+        args.engines = urls
+        if args.b_rate <= 0:
+            a_rate = asyncio.run(calibrate(*targets["fcfs"], args))
+            args.b_rate = round(max(a_rate * B_SHARE, 0.02), 3)
+            print(f"A alone: {a_rate:.2f} requests/s over {CALIBRATE_S:g} s: B sends {args.b_rate}/s", flush=True)
+        results = asyncio.run(run(targets, args))
+        results["b_rate"] = args.b_rate
+        finish(results, args)
     return 0
 
 

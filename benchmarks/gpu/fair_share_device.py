@@ -26,13 +26,11 @@ import time
 from pathlib import Path
 
 from tenancy_bench import finish, workspace
-from tenancy_fair_share import mode_targets, phase, run
+from tenancy_fair_share import B_SHARE, CALIBRATE_S, calibrate, mode_targets, run
 
 from hpcserve.engine.client import completion_probe
 
 MODEL = "tiny"  # what tenancy_fair_share.stream asks for
-CALIBRATE_S = 10.0
-B_SHARE = 0.1  # B sends a tenth of A's rate
 TARGET_B_TTFT, TARGET_THROUGHPUT = 1.25, 0.97
 
 
@@ -51,13 +49,6 @@ def wait_engines(urls: list[str], ready_s: float) -> float:
             raise SystemExit(f"{waiting[0]} did not answer a completion within {ready_s:.0f} s: {last}")
         time.sleep(1.0)
     return round(time.monotonic() - started, 1)
-
-
-def calibrate(url: str, keys: dict[str, str], args: argparse.Namespace) -> float:
-    """A's request rate alone (requests/s over CALIBRATE_S, the stragglers' tail included)."""
-    started = time.perf_counter()
-    got = asyncio.run(phase(url, keys, "A", argparse.Namespace(**{**vars(args), "phase_s": CALIBRATE_S})))
-    return got["a_requests"] / (time.perf_counter() - started)
 
 
 def verdict(results: dict) -> list[str]:
@@ -95,7 +86,7 @@ def main() -> int:
         try:
             targets = mode_targets(here, urls, args.max_num_seqs, MODEL, args.workers)
             if args.b_rate <= 0:
-                a_rate = calibrate(*targets["fcfs"], args)
+                a_rate = asyncio.run(calibrate(*targets["fcfs"], args))
                 args.b_rate = round(max(a_rate * B_SHARE, 0.05), 3)
                 print(f"A alone: {a_rate:.2f} requests/s over {CALIBRATE_S:g} s: B sends {args.b_rate}/s", flush=True)
             results = asyncio.run(run(targets, args))

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hpcserve.endpoint.dataplane.admission import ACTIVE_S, AGE_S, Admission, FairQueue, FairShare, Ticket, next_admitted
+from hpcserve.endpoint.dataplane.admission import ACTIVE_S, AGE_S, KEEP_S, Admission, FairQueue, FairShare, Ticket, next_admitted
 from hpcserve.endpoint.dataplane.routing.table import Affinity, RoutingTable
 from hpcserve.endpoint.dataplane.routing.prefix_index import prompt_blocks
 from hpcserve.endpoint.protocol import BackendSpec
@@ -161,7 +161,7 @@ def test_fair_share_picks_projects_by_share_then_users_within_them():
     picks = []
     for _ in range(6):
         project, user = fair.choose(waiting)
-        fair.served(project, user)
+        fair.served(project, user, 0.0)
         picks.append((project, user))
     assert [p for p, _ in picks].count("b") == 3  # the project with one user gets half the turns
     assert {u for p, u in picks if p == "a"} == {"a1", "a2"}  # a's turns go round its users
@@ -217,11 +217,49 @@ def test_a_heavy_user_leaves_a_place_free_for_others_while_they_are_active():
         for ticket in (first_light, second_light.result()):
             admission.leave(ticket)
         await asyncio.sleep(0)
-        assert sum(t.done() for t in heavy) == 3  # light quiet but active: heavy takes all but the free place
+        assert sum(t.done() for t in heavy) == 2  # the places light freed stay light's for KEEP_S
+        third_light = asyncio.ensure_future(admission.enter(None, "p-light", "light"))
+        await asyncio.sleep(0)
+        assert third_light.done()  # its next request starts at once, in a place of its own
         for task in heavy:
             task.cancel()
 
     asyncio.run(scenario())
+
+
+def test_places_a_light_user_freed_go_back_to_the_heavy_user_after_keep_s():
+    fair = FairShare({})
+    for who in ("light", "heavy"):
+        fair.arrived("p-" + who, who, 0.0)
+    for _ in range(2):
+        fair.served("p-light", "light", 0.0)
+    for _ in range(5):
+        fair.served("p-heavy", "heavy", 0.0)
+    for _ in range(2):
+        fair.ended("p-light", "light", 1.0)  # light's 2 places freed: 5 of 8 taken
+    # heavy (above its share of 4) leaves RESERVE and light's two: 5 + 1 + 2 = 8
+    assert not fair.may_go("p-heavy", "heavy", admitted=5, capacity=8, slots=10, now=1.0 + KEEP_S / 2)
+    assert fair.may_go("p-light", "light", admitted=5, capacity=8, slots=10, now=1.0 + KEEP_S / 2)
+    # KEEP_S later they are anyone's (light still active: RESERVE stays free)
+    assert fair.may_go("p-heavy", "heavy", admitted=5, capacity=8, slots=10, now=1.0 + KEEP_S)
+    assert not fair.may_go("p-heavy", "heavy", admitted=7, capacity=8, slots=10, now=1.0 + KEEP_S)
+
+
+def test_a_heavy_user_keeps_no_places_from_another():
+    """Places are kept only for users below their share: two batch jobs share by the fair order."""
+    fair = FairShare({})
+    for who in ("h1", "h2"):
+        fair.arrived(who, who, 0.0)
+    for _ in range(6):
+        fair.served("h1", "h1", 0.0)
+    for _ in range(2):
+        fair.served("h2", "h2", 0.0)
+    fair.ended("h1", "h1", 0.5)  # h1 (5, above its 4) freed one: not kept from h2
+    assert fair.may_go("h2", "h2", admitted=7, capacity=8, slots=10, now=0.6)  # h2 below its share
+    fair.served("h2", "h2", 0.6)
+    for _ in range(3):
+        fair.served("h2", "h2", 0.6)  # h2 at 6: above its share too
+    assert fair.may_go("h2", "h2", admitted=6, capacity=8, slots=10, now=0.7)  # h1's freed place: not kept
 
 
 @settings(max_examples=200, deadline=None)
@@ -242,9 +280,9 @@ def test_who_is_active_follows_its_definition_whatever_the_order(events):
             fair.arrived(*who, now)
             last[who] = now
         elif action == "serve":
-            fair.served(*who)
+            fair.served(*who, now)
         elif fair.running.get(who):
-            fair.ended(*who)
+            fair.ended(*who, now)
         active = {w for w, at in last.items() if now - at < ACTIVE_S} | set(fair.running)
         fair.expire(now)
         assert fair.active == len(active)

@@ -30,11 +30,18 @@ idles between two requests; while several users are active, the capacities alone
 request starts in a running batch at once (routing sends it to a replica with a free place) instead of
 waiting in an engine's queue behind another user's. Either way a lone user's excess waits here, not in the
 engines: the controller counts it as the model's queue (GET /backends "waiting") for the autoscaler.
+
+A user at or above their share of the places (a batch job) takes a free place only where that leaves RESERVE
+places for a newcomer and the places users below their share freed in the last KEEP_S seconds: such a
+user's next request starts at once in a place of their own instead of waiting for one of the batch job's to
+end. (Requests of one length admitted together end together: a batch job's places free in waves, seconds
+apart, and a light user who had to wait for the next wave waited half of one request's time at the median.)
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
@@ -54,6 +61,10 @@ AGE_S = 5.0
 SCAN = 64  # waiting requests looked at for a cached prefix per admission: bounds the work per request end
 RESERVE = 1  # places a user at their fair share leaves free while others are active (per worker)
 ACTIVE_S = 10.0  # a user who sent a request this recently counts as active (sporadic users too)
+# How long the places a user below their share freed stay theirs: long enough to cover the gaps between a
+# steady user's requests (their in-flight count moves up and down around its mean), short enough that a
+# user who went quiet gives them back within seconds. Each kept place is idle meanwhile.
+KEEP_S = 2.0
 
 
 @dataclass(slots=True, eq=False)
@@ -95,8 +106,9 @@ class FairQueue:
 class FairShare:
     """Projects weighted by their shares, then the users of each with equal weights: the order of those
     waiting (`choose`), and who may take a place now (`may_go`): while others are active, a user at or above
-    their share of the replicas' capacity leaves RESERVE places free, so that a request of a user below
-    theirs starts at once in an engine instead of waiting there for one of the heavy user's to end.
+    their share of the replicas' capacity leaves RESERVE places free, and those the users below their share
+    freed within KEEP_S, so that a request of a user below theirs starts at once in an engine instead of
+    waiting there for one of the heavy user's to end.
 
     Who is active (sent a request within ACTIVE_S, or has one in flight) is kept as requests come and go,
     with the active users per project and the projects' summed weights: `may_go` costs the same with ten
@@ -111,6 +123,9 @@ class FairShare:
         self.active_users: dict[str, int] = {}  # per project, its users that are active
         self.active = 0  # users active, in all projects
         self.weight_sum = 0.0  # the shares of the projects with an active user
+        # per user who freed places lately: (the most in flight since, until when they are kept), the
+        # soonest to lapse first
+        self.kept: OrderedDict[tuple[str, str], tuple[int, float]] = OrderedDict()
 
     def arrived(self, project: str, user: str, now: float) -> None:
         who = (project, user)
@@ -119,9 +134,13 @@ class FairShare:
         self.seen[who] = now
         self.seen.move_to_end(who)
 
-    def ended(self, project: str, user: str) -> None:
+    def ended(self, project: str, user: str, now: float) -> None:
         who = (project, user)
         left = self.running.get(who, 0) - 1
+        held = self.kept.get(who)
+        if held is None or now >= held[1]:  # the places it had now, kept from here on
+            self.kept[who] = (left + 1, now + KEEP_S)
+            self.kept.move_to_end(who)
         if left > 0:
             self.running[who] = left
             return
@@ -129,16 +148,26 @@ class FairShare:
         if who not in self.seen:
             self._became_idle(project)
 
-    def served(self, project: str, user: str) -> None:
+    def served(self, project: str, user: str, now: float) -> None:
         self.projects.served(project)
         self._users_of(project).served(user)
         who = (project, user)
         if who not in self.running and who not in self.seen:
             self._became_active(project)
-        self.running[who] = self.running.get(who, 0) + 1
+        running = self.running[who] = self.running.get(who, 0) + 1
+        held = self.kept.get(who)
+        if held is not None and running > held[0]:  # more than it kept: the most in flight moves up
+            self.kept[who] = (running, held[1])
 
     def expire(self, now: float) -> None:
-        """Users whose last request is older than ACTIVE_S and who have none in flight are no longer active."""
+        """Users whose last request is older than ACTIVE_S and who have none in flight are no longer active;
+        places kept longer than KEEP_S are free for anyone."""
+        kept = self.kept
+        while kept:
+            who, (_, until) = next(iter(kept.items()))
+            if now < until:
+                break
+            del kept[who]
         seen = self.seen
         while seen:
             who, at = next(iter(seen.items()))
@@ -181,10 +210,27 @@ class FairShare:
             return True  # alone: every place, the extra one per engine included
         if admitted >= capacity:
             return False  # shared: only into a running batch; in an engine's queue no fair order reaches it
-        if admitted < capacity - RESERVE:
+        if admitted < capacity - RESERVE and not self.kept:  # no place kept for anyone: room either way
             return True
+        if self.running.get(who, 0) < self.share_of(project, capacity):
+            return True  # below its share: any free place
+        return admitted + RESERVE + self.kept_for_others(who, capacity) < capacity
+
+    def share_of(self, project: str, capacity: int) -> float:
+        """The places one active user of this project is due: its project's weighted part, split evenly."""
         weight = self.shares.get(project, 1.0) / (self.weight_sum or 1.0)
-        return self.running.get(who, 0) < capacity * weight / self.active_users.get(project, 1)
+        return capacity * weight / self.active_users.get(project, 1)
+
+    def kept_for_others(self, who: tuple[str, str], capacity: int) -> int:
+        """The free places other users below their share freed within KEEP_S (expire has dropped older)."""
+        total = 0
+        for other, (most, _) in self.kept.items():
+            if other == who:
+                continue
+            running = self.running.get(other, 0)
+            if running < self.share_of(other[0], capacity):
+                total += max(0, min(most, math.ceil(self.share_of(other[0], capacity))) - running)
+        return total
 
     def _users_of(self, project: str) -> FairQueue:
         users = self.users.get(project)
@@ -318,14 +364,14 @@ class Admission:
         self.in_flight += cost
         self.admitted += 1
         if self.fair is not None:
-            self.fair.served(ticket.project, ticket.user)
+            self.fair.served(ticket.project, ticket.user, time.monotonic())
 
     def leave(self, ticket: Ticket) -> None:
         """The request ended (answered, failed, or its client left)."""
         self.in_flight -= ticket.cost
         self.admitted -= 1
         if self.fair is not None:
-            self.fair.ended(ticket.project, ticket.user)
+            self.fair.ended(ticket.project, ticket.user, time.monotonic())
         self.admit()
 
     def admit(self) -> None:
@@ -343,7 +389,15 @@ class Admission:
             # now; else all, oldest first
             turn = None
             if self.fair is not None:
-                allowed = [t for t in self.waiting if self.may_go(t, slots, capacity, now)]
+                verdicts: dict[tuple[str, str], bool] = {}  # one per user: the same for all their requests
+                allowed = []
+                for waiting in self.waiting:
+                    who = (waiting.project, waiting.user)
+                    verdict = verdicts.get(who)
+                    if verdict is None:
+                        verdict = verdicts[who] = self.may_go(waiting, slots, capacity, now)
+                    if verdict:
+                        allowed.append(waiting)
                 if not allowed:
                     return
                 turn = self.fair.choose(allowed)
