@@ -169,6 +169,8 @@ class TenantView:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._last_flush = 0.0  # the thread's (monotonic): when it last wrote the rows
+        self._day_before: int | None = None  # the thread's: the minute before which the day's tokens were summed
 
     # ------------------------------------------------------------------ the hot path (event loop)
 
@@ -221,46 +223,51 @@ class TenantView:
 
     def _run(self) -> None:
         store = None
-        last_flush = 0.0
-        day_before = None  # the minute before which the day's tokens were summed
         while True:
             stopping = self._stop.is_set()
-            try:
-                if store is None:
-                    store = self.open_store()
-                now = time.monotonic()
-                written = []
-                if stopping or now - last_flush >= self.flush_s:
-                    written = self._write(store)
-                    last_flush = now
-                if stopping:
-                    store.close()
-                    return
-                keys = tenants = None
-                revision = store.revision()
-                if revision != self.revision:
-                    keys = {record.key_id: record for record in store.keys()}  # noqa: SIM118 - a Store, not a dict
-                    tenants = {key_id: self.tenant_of(record) for key_id, record in keys.items()}
-                    self.revision = revision
-                wall = time.time()
-                recent_since = minute_of(wall) - 1
-                recent = store.window_counts(recent_since)
-                day = None
-                if day_before != recent_since:  # a new minute: the older ones are whole, summed once
-                    day_start = int(wall // DAY_S) * DAY_S // 60
-                    day = {key: sum(c.tokens for m, c in minutes.items() if m < recent_since)
-                           for key, minutes in store.window_counts(day_start).items()}
-                    day_before = recent_since
-                self._post(keys, tenants, recent, day, written)
-            except Exception:  # the database may be away a while: serve on, try again
-                log.exception("tenancy: the store could not be read or written; trying again in %g s", self.poll_s)
-                if store is not None:
-                    with contextlib.suppress(Exception):  # its connection may be broken already
-                        store.close()
-                    store = None
-                if stopping:
-                    return
+            store = self.poll(store, stopping)
+            if stopping:
+                return
             self._stop.wait(self.poll_s)
+
+    def poll(self, store: Store | None, stopping: bool = False) -> Store | None:
+        """One round of the thread: the rows written (when flush_s has passed, or stopping), the keys reloaded
+        when their revision moved, the recent counts read and handed to the event loop. Returns the store to use
+        next time (None: closed, after an error or when stopping)."""
+        try:
+            if store is None:
+                store = self.open_store()
+            now = time.monotonic()
+            written = []
+            if stopping or now - self._last_flush >= self.flush_s:
+                written = self._write(store)
+                self._last_flush = now
+            if stopping:
+                store.close()
+                return None
+            keys = tenants = None
+            revision = store.revision()
+            if revision != self.revision:
+                keys = {record.key_id: record for record in store.keys()}  # noqa: SIM118 - a Store, not a dict
+                tenants = {key_id: self.tenant_of(record) for key_id, record in keys.items()}
+                self.revision = revision
+            wall = time.time()
+            recent_since = minute_of(wall) - 1
+            recent = store.window_counts(recent_since)
+            day = None
+            if self._day_before != recent_since:  # a new minute: the older ones are whole, summed once
+                day_start = int(wall // DAY_S) * DAY_S // 60
+                day = {key: sum(c.tokens for m, c in minutes.items() if m < recent_since)
+                       for key, minutes in store.window_counts(day_start).items()}
+                self._day_before = recent_since
+            self._post(keys, tenants, recent, day, written)
+            return store
+        except Exception:  # the database may be away a while: serve on, try again
+            log.exception("tenancy: the store could not be read or written; trying again in %g s", self.poll_s)
+            if store is not None:
+                with contextlib.suppress(Exception):  # its connection may be broken already
+                    store.close()
+            return None
 
     def _write(self, store: Store) -> list[tuple[str, int, int, int]]:
         """Writes the rows that ended; returns their counts per key and minute."""
