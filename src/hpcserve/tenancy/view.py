@@ -18,17 +18,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from hashlib import blake2b
 
 from hpcserve.core.keys import KeyCheck, bearer_token
 from hpcserve.tenancy.limits import DAY_S, LimitHit, Window, cap_hit, rate_hit
 from hpcserve.tenancy.records import OWNER_KEY_ID, KeyRecord, Limits, UsageRow, matches, split_key
 from hpcserve.tenancy.store import Store
-from hpcserve.tenancy.tables import minute_counts
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class Tenant:
     models: tuple[str, ...] | None = None
     rated: bool = True  # limited by a rate (the owner's key never is)
     capped: bool = True  # some cap on what one request asks for (n, best_of, max_tokens)
+    expires_at: float | None = None  # epoch seconds: the key's expiry (a remembered check ends there)
 
     def allows_model(self, model: str | None) -> bool:
         return self.models is None or model in self.models
@@ -58,6 +60,31 @@ class _Counts:
     tokens: int = 0
 
 
+class Tally(Window):
+    """A key's Window as of one epoch minute, as running sums: made at the key's first request of the minute (or
+    its first after the thread swapped the stored counts) from the stored counts and this worker's own, then moved
+    on by each of the key's requests as it starts and ends, so that a request reads its window rather than sums
+    it."""
+
+    __slots__ = ("day_start", "minute")
+
+    def __init__(self, minute: int):
+        super().__init__()
+        self.minute, self.day_start = minute, minute - minute % DAY_MINUTES
+
+    def add(self, minute: int, requests: int, tokens: int) -> None:
+        """Requests and tokens of an epoch minute, counted where the window sees them (its minute, the one
+        before, the day)."""
+        if minute == self.minute:
+            self.requests += requests
+            self.tokens += tokens
+        elif minute == self.minute - 1:
+            self.previous_requests += requests
+            self.previous_tokens += tokens
+        if minute >= self.day_start:
+            self.day_tokens += tokens
+
+
 @dataclass
 class Meter:
     """Per key and epoch minute: what the store holds (read by the thread) plus this worker's own requests not
@@ -67,9 +94,8 @@ class Meter:
     stored: dict[str, dict[int, tuple[int, int]]] = field(default_factory=dict)  # the last two minutes, read
     stored_day: dict[str, int] = field(default_factory=dict)  # tokens of today's minutes before those two
     own: dict[str, dict[int, _Counts]] = field(default_factory=dict)
-    # per key, the stored counts summed for one minute: (minute, previous requests, previous tokens, requests,
-    # tokens, day tokens); made at a key's first request of a minute, dropped when the thread swaps `stored`
-    bases: dict[str, tuple[int, int, int, int, int, int]] = field(default_factory=dict)
+    # per key, its window (stored + own) as running sums; dropped whenever `stored` or `own` change at once
+    windows: dict[str, Tally] = field(default_factory=dict)
 
     def _own(self, key_id: str, minute: int) -> _Counts:
         minutes = self.own.get(key_id)
@@ -80,17 +106,29 @@ class Meter:
             counts = minutes[minute] = _Counts()
         return counts
 
-    def began(self, key_id: str, minute: int) -> None:
+    def began(self, key_id: str, minute: int, window: Window | None = None) -> None:
+        """A request of this epoch minute; window: the key's, as window() just gave it for this minute (its
+        requests counted here without a look for it)."""
         self._own(key_id, minute).requests += 1
+        if window is not None:
+            window.requests += 1
+        else:
+            tally = self.windows.get(key_id)
+            if tally is not None:
+                tally.add(minute, 1, 0)
 
     def ended(self, key_id: str, minute: int, tokens: int) -> None:
-        self._own(key_id, minute).tokens += tokens
+        if tokens:
+            self._own(key_id, minute).tokens += tokens
+            tally = self.windows.get(key_id)
+            if tally is not None:
+                tally.add(minute, 0, tokens)
 
     def swap(self, stored: dict[str, dict[int, tuple[int, int]]], stored_day: dict[str, int] | None) -> None:
         self.stored = stored
         if stored_day is not None:
             self.stored_day = stored_day
-        self.bases = {}
+        self.windows = {}
 
     def written(self, counts: Iterable[tuple[str, int, int, int]]) -> None:
         """These (key id, minute, requests, tokens) are in the store now (and in `stored`, read after they
@@ -106,36 +144,30 @@ class Meter:
                 del minutes[minute]
                 if not minutes:
                     del self.own[key_id]
+        self.windows = {}
 
-    def window(self, key_id: str, now: float) -> Window:
-        minute = int(now // 60)
-        base = self.bases.get(key_id)
-        if base is None or base[0] != minute:
-            base = self.bases[key_id] = self._base(key_id, minute)
-        _, before_r, before_t, now_r, now_t, day_t = base
-        own = self.own.get(key_id)
-        if own is None:
-            return Window(before_r, before_t, now_r, now_t, day_t)
-        own_now, own_before = own.get(minute, _ZERO), own.get(minute - 1, _ZERO)
-        day_start = minute - minute % (DAY_S // 60)
-        own_day = 0
-        for at, counts in own.items():
-            if at >= day_start:
-                own_day += counts.tokens
-        return Window(before_r + own_before.requests, before_t + own_before.tokens, now_r + own_now.requests,
-                      now_t + own_now.tokens, day_t + own_day)
+    def window(self, key_id: str, minute: int) -> Window:
+        """The key's counts for a request of this epoch minute."""
+        tally = self.windows.get(key_id)
+        if tally is None or tally.minute != minute:
+            tally = self.windows[key_id] = self._tally(key_id, minute)
+        return tally
 
-    def _base(self, key_id: str, minute: int) -> tuple[int, int, int, int, int, int]:
-        stored = self.stored.get(key_id, _NONE)
-        now_r, now_t = stored.get(minute, (0, 0))
-        before_r, before_t = stored.get(minute - 1, (0, 0))
-        day_start = minute - minute % (DAY_S // 60)
-        recent_day = sum(t for m, (_, t) in stored.items() if m >= day_start)
-        return minute, before_r, before_t, now_r, now_t, self.stored_day.get(key_id, 0) + recent_day
+    def _tally(self, key_id: str, minute: int) -> Tally:
+        tally = Tally(minute)
+        for at, (requests, tokens) in self.stored.get(key_id, _NONE).items():
+            tally.add(at, requests, tokens)
+        tally.day_tokens += self.stored_day.get(key_id, 0)
+        for at, counts in self.own.get(key_id, _NONE).items():
+            tally.add(at, counts.requests, counts.tokens)
+        return tally
 
 
 _NONE: dict = {}
-_ZERO = _Counts()
+DAY_MINUTES = DAY_S // 60
+# Authorization headers remembered as verified (by their keyed digest) at most; past it they are forgotten, all
+# at once: only a key's holder can add one (a refused header is never remembered), by spelling the header anew.
+MAX_VERIFIED = 65_536
 
 
 def minute_of(epoch_s: float) -> int:
@@ -148,8 +180,17 @@ def capped(limits: Limits) -> bool:
 
 
 class TenantView:
-    """The keys, the meter and the rows to write, for one data-plane worker. `identify`, `check`, `began` and
-    `ended` run on the event loop and never block; `start` begins the thread that talks to the store."""
+    """The keys, the meter and the rows to write, for one data-plane worker. `identify`, `admit` and `ended` run
+    on the event loop and never block; `start` begins the thread that talks to the store.
+
+    Verified keys are remembered, so that a key's next request skips its salted hash: by a BLAKE2b digest of the
+    whole Authorization header keyed with this process's own random key, never by the header itself (no secret
+    is kept beyond the request that carries it, and the digests are no more use to one who reads this process's
+    memory than the store's salted hashes, against 256-bit secrets). Only a header that passed the full check is
+    remembered, so a wrong guess always takes the full, constant-time check; finding a remembered digest takes
+    a time that depends on the digest alone, which without the process's key says nothing of any secret. The
+    memory is dropped whenever the keys are reloaded (a revoked key is refused as soon as the reload is in, as
+    before), and a remembered key's expiry is checked at every request."""
 
     def __init__(self, open_store: Callable[[], Store], owner_key: str | None, base_limits: Limits,
                  flush_s: float = 1.0, poll_s: float = POLL_S, shares: dict[str, float] | None = None):
@@ -160,6 +201,8 @@ class TenantView:
         self.flush_s, self.poll_s = flush_s, poll_s
         self.keys: dict[str, KeyRecord] = {}
         self.tenants: dict[str, Tenant] = {}  # per key id, its limits merged over the base ones once
+        self.verified: dict[bytes, Tenant] = {}  # keyed digest of an Authorization header -> its tenant
+        self._keyed = blake2b(key=secrets.token_bytes(32))  # this process's own key: digests mean nothing elsewhere
         self.meter = Meter()
         self.rows: deque[UsageRow] = deque()  # append here, popleft in the thread: both thread-safe
         self.loaded = threading.Event()  # the first read of the keys is done
@@ -176,6 +219,24 @@ class TenantView:
 
     def identify(self, authorization: str | bytes | None, now: float) -> Tenant | None:
         """The tenant of this Authorization header, or None (no such key, revoked, expired): a 401."""
+        if authorization is None:
+            return None
+        raw = authorization.encode("utf-8", "surrogateescape") if isinstance(authorization, str) else authorization
+        keyed = self._keyed.copy()  # the key's block hashed once, at start: a copy skips it
+        keyed.update(raw)
+        digest = keyed.digest()
+        tenant = self.verified.get(digest)
+        if tenant is not None and (tenant.expires_at is None or now < tenant.expires_at):
+            return tenant
+        tenant = self._check(raw, now)
+        if tenant is not None:
+            if len(self.verified) >= MAX_VERIFIED:
+                self.verified = {}
+            self.verified[digest] = tenant
+        return tenant
+
+    def _check(self, authorization: bytes, now: float) -> Tenant | None:
+        """The full check of a header: its key's salted hash compared in constant time."""
         token = bearer_token(authorization)
         if token is None:
             return None
@@ -189,20 +250,29 @@ class TenantView:
             return None
         return self.tenants[key_id]
 
-    def check(self, tenant: Tenant, data: dict | None, now: float) -> LimitHit | None:
-        hit = cap_hit(tenant.limits, data) if tenant.capped else None
-        if hit is None and tenant.rated:
-            hit = rate_hit(tenant.limits, self.meter.window(tenant.key_id, now), now)
-        return hit
+    def admit(self, tenant: Tenant, data: dict | None, now: float) -> LimitHit | None:
+        """The limit this request passes (nothing counted), else None: then it is counted against its key."""
+        if tenant.capped:
+            hit = cap_hit(tenant.limits, data)
+            if hit is not None:
+                return hit
+        minute = int(now // 60)  # the epoch minute (minute_of), inline on the hot path
+        meter = self.meter
+        window = None
+        if tenant.rated:
+            window = meter.window(tenant.key_id, minute)
+            hit = rate_hit(tenant.limits, window, now)
+            if hit is not None:
+                return hit
+        meter.began(tenant.key_id, minute, window)
+        return None
 
     def tenant_of(self, record: KeyRecord) -> Tenant:
         limits = self.base_limits.merged(record.limits)
         rated = any(v is not None for v in (limits.requests_per_minute, limits.tokens_per_minute,
                                             limits.tokens_per_day))
-        return Tenant(record.key_id, record.user, record.project, limits, record.models, rated, capped(limits))
-
-    def began(self, tenant: Tenant, started_at: float) -> None:
-        self.meter.began(tenant.key_id, int(started_at // 60))  # the epoch minute (minute_of), inline on the hot path
+        return Tenant(record.key_id, record.user, record.project, limits, record.models, rated, capped(limits),
+                      record.expires_at)
 
     def ended(self, row: UsageRow) -> None:
         self.meter.ended(row.key_id, int(row.started_at // 60), (row.prompt_tokens or 0) + (row.completion_tokens or 0))
@@ -277,12 +347,12 @@ class TenantView:
         if not rows:
             return []
         try:
-            store.record_usage(rows)
+            counts = store.record_usage(rows)
         except Exception:
             self.rows.extendleft(reversed(rows))  # kept for the next try, oldest first
             raise
         self.written_rows += len(rows)
-        return minute_counts(rows)
+        return counts
 
     def _post(self, keys, tenants, recent, day, written) -> None:
         stored = {key: {m: (c.requests, c.tokens) for m, c in minutes.items()} for key, minutes in recent.items()}
@@ -290,6 +360,7 @@ class TenantView:
         def apply() -> None:
             if keys is not None:  # the tenants first: a key identified is always found among them
                 self.tenants, self.keys = tenants, keys
+                self.verified = {}  # checked again against the keys as they are now (revoked, changed)
             self.meter.swap(stored, day)
             self.meter.written(written)
             self.loaded.set()
