@@ -77,18 +77,16 @@ def rate_hit(limits: Limits, window: Window, now: float) -> LimitHit | None:
     """A rate this request would pass (counted as one more request), else None."""
     # The previous minute's weight is at most 1 (and the counts >= 0): a window whose two minutes' plain sum is
     # within a rate is within its sliding count too, and most requests need no weighing at all.
-    into = (now % 60) / 60  # the part of the current minute gone
-    weight = 1 - into  # of the previous minute in the sliding one
     rpm = limits.requests_per_minute
     if rpm is not None and window.previous_requests + window.requests + 1 > rpm:
-        used = window.previous_requests * weight + window.requests
-        if used + 1 > rpm:
+        into = (now % 60) / 60  # the part of the current minute gone; 1 - into: the previous minute's weight
+        if window.previous_requests * (1 - into) + window.requests + 1 > rpm:
             wait = _until_below(window.previous_requests, window.requests, into, rpm - 1)
             return _rate(rpm, "requests_per_minute", "requests in the last minute", wait)
     tpm = limits.tokens_per_minute
     if tpm is not None and window.previous_tokens + window.tokens >= tpm:
-        used = window.previous_tokens * weight + window.tokens
-        if used >= tpm:
+        into = (now % 60) / 60
+        if window.previous_tokens * (1 - into) + window.tokens >= tpm:
             wait = _until_below(window.previous_tokens, window.tokens, into, tpm - 1)
             return _rate(tpm, "tokens_per_minute", "tokens in the last minute", wait)
     if limits.tokens_per_day is not None and window.day_tokens >= limits.tokens_per_day:

@@ -64,13 +64,14 @@ class Tally(Window):
     """A key's Window as of one epoch minute, as running sums: made at the key's first request of the minute (or
     its first after the thread swapped the stored counts) from the stored counts and this worker's own, then moved
     on by each of the key's requests as it starts and ends, so that a request reads its window rather than sums
-    it."""
+    it. `own` is this worker's counts of the key's minute (the Meter's, shared): a request of the minute counts
+    there without looking it up."""
 
-    __slots__ = ("day_start", "minute")
+    __slots__ = ("day_start", "minute", "own")
 
-    def __init__(self, minute: int):
+    def __init__(self, minute: int, own: _Counts):
         super().__init__()
-        self.minute, self.day_start = minute, minute - minute % DAY_MINUTES
+        self.minute, self.day_start, self.own = minute, minute - minute % DAY_MINUTES, own
 
     def add(self, minute: int, requests: int, tokens: int) -> None:
         """Requests and tokens of an epoch minute, counted where the window sees them (its minute, the one
@@ -94,7 +95,7 @@ class Meter:
     stored: dict[str, dict[int, tuple[int, int]]] = field(default_factory=dict)  # the last two minutes, read
     stored_day: dict[str, int] = field(default_factory=dict)  # tokens of today's minutes before those two
     own: dict[str, dict[int, _Counts]] = field(default_factory=dict)
-    # per key, its window (stored + own) as running sums; dropped whenever `stored` or `own` change at once
+    # per key, its window (stored + own) as running sums; all dropped whenever `stored` or `own` change at once
     windows: dict[str, Tally] = field(default_factory=dict)
 
     def _own(self, key_id: str, minute: int) -> _Counts:
@@ -106,23 +107,30 @@ class Meter:
             counts = minutes[minute] = _Counts()
         return counts
 
-    def began(self, key_id: str, minute: int, window: Window | None = None) -> None:
-        """A request of this epoch minute; window: the key's, as window() just gave it for this minute (its
-        requests counted here without a look for it)."""
+    def began(self, key_id: str, minute: int) -> None:
+        """A request of this epoch minute (TenantView.admit counts a rated key's through its window at once)."""
+        tally = self.windows.get(key_id)
+        if tally is not None and tally.minute == minute:
+            tally.own.requests += 1
+            tally.requests += 1
+            return
         self._own(key_id, minute).requests += 1
-        if window is not None:
-            window.requests += 1
-        else:
-            tally = self.windows.get(key_id)
-            if tally is not None:
-                tally.add(minute, 1, 0)
+        if tally is not None:
+            tally.add(minute, 1, 0)
 
     def ended(self, key_id: str, minute: int, tokens: int) -> None:
-        if tokens:
-            self._own(key_id, minute).tokens += tokens
-            tally = self.windows.get(key_id)
-            if tally is not None:
-                tally.add(minute, 0, tokens)
+        """The tokens of a request that began in this epoch minute."""
+        if not tokens:
+            return
+        tally = self.windows.get(key_id)
+        if tally is not None and tally.minute == minute:
+            tally.own.tokens += tokens
+            tally.tokens += tokens
+            tally.day_tokens += tokens
+            return
+        self._own(key_id, minute).tokens += tokens
+        if tally is not None:
+            tally.add(minute, 0, tokens)
 
     def swap(self, stored: dict[str, dict[int, tuple[int, int]]], stored_day: dict[str, int] | None) -> None:
         self.stored = stored
@@ -144,9 +152,9 @@ class Meter:
                 del minutes[minute]
                 if not minutes:
                     del self.own[key_id]
-        self.windows = {}
+        self.windows = {}  # a window's `own` may be gone from `own`
 
-    def window(self, key_id: str, minute: int) -> Window:
+    def window(self, key_id: str, minute: int) -> Tally:
         """The key's counts for a request of this epoch minute."""
         tally = self.windows.get(key_id)
         if tally is None or tally.minute != minute:
@@ -154,11 +162,11 @@ class Meter:
         return tally
 
     def _tally(self, key_id: str, minute: int) -> Tally:
-        tally = Tally(minute)
+        tally = Tally(minute, self._own(key_id, minute))
         for at, (requests, tokens) in self.stored.get(key_id, _NONE).items():
             tally.add(at, requests, tokens)
         tally.day_tokens += self.stored_day.get(key_id, 0)
-        for at, counts in self.own.get(key_id, _NONE).items():
+        for at, counts in self.own[key_id].items():
             tally.add(at, counts.requests, counts.tokens)
         return tally
 
@@ -257,15 +265,17 @@ class TenantView:
             if hit is not None:
                 return hit
         minute = int(now // 60)  # the epoch minute (minute_of), inline on the hot path
-        meter = self.meter
-        window = None
-        if tenant.rated:
-            window = meter.window(tenant.key_id, minute)
-            hit = rate_hit(tenant.limits, window, now)
-            if hit is not None:
-                return hit
-        meter.began(tenant.key_id, minute, window)
-        return None
+        if not tenant.rated:
+            self.meter.began(tenant.key_id, minute)
+            return None
+        window = self.meter.windows.get(tenant.key_id)
+        if window is None or window.minute != minute:  # Meter.window's look, its call spared
+            window = self.meter.window(tenant.key_id, minute)
+        hit = rate_hit(tenant.limits, window, now)
+        if hit is None:  # Meter.began, inline: the window is the key's of this minute
+            window.own.requests += 1
+            window.requests += 1
+        return hit
 
     def tenant_of(self, record: KeyRecord) -> Tenant:
         limits = self.base_limits.merged(record.limits)
@@ -275,7 +285,9 @@ class TenantView:
                       record.expires_at)
 
     def ended(self, row: UsageRow) -> None:
-        self.meter.ended(row.key_id, int(row.started_at // 60), (row.prompt_tokens or 0) + (row.completion_tokens or 0))
+        tokens = (row.prompt_tokens or 0) + (row.completion_tokens or 0)
+        if tokens:
+            self.meter.ended(row.key_id, int(row.started_at // 60), tokens)
         self.rows.append(row)
 
     # ------------------------------------------------------------------ the thread

@@ -276,7 +276,7 @@ class DataPlane:
         assert tenants is not None, "a tenant is only ever identified by self.tenants (answer)"
         model = data.get("model") if data is not None else None
         model = model if isinstance(model, str) else None
-        if model is not None and not tenant.allows_model(model):
+        if model is not None and tenant.models is not None and model not in tenant.models:  # Tenant.allows_model
             raise Refusal(403, model_refusal(model, tenant.models or ()))
         now = time.time()
         hit = tenants.admit(tenant, data, now)  # counted against its key when it passes

@@ -57,9 +57,20 @@ class Visit:
     migrated: bool = False
 
     def whole_answer(self, body: bytes) -> None:
-        """Token counts from a whole answer's `usage` (completions, chat, embeddings)."""
+        """Token counts from a whole answer's `usage` (completions, chat, embeddings): the usual shape by one
+        match (USAGE_SHAPE), any other through the JSON decoder (answer_counts)."""
         self.first_byte = time.monotonic()
-        counts = answer_counts(body)
+        at = body.rfind(b'"usage"', -USAGE_TAIL)
+        if at < 0:
+            return
+        match = USAGE_SHAPE.match(body, at)
+        if match is not None:
+            prompt, completion, completion_later, cached = match.groups()
+            self.prompt_tokens, self.completion_tokens = int(prompt), int(completion or completion_later)
+            if cached is not None:
+                self.cached_tokens = int(cached)
+            return
+        counts = answer_counts(body, at)
         if counts is not None:
             self.prompt_tokens, self.completion_tokens, self.cached_tokens = counts
 
@@ -79,17 +90,9 @@ class Visit:
                                    now - self.started, self.migrated))
 
 
-def answer_counts(body: bytes) -> tuple[int | None, int | None, int | None] | None:
-    """(prompt, completion, cached) tokens of a whole JSON answer's `usage`, read from its tail: each None where
-    the usage has no such count; None without a usage. The usual shape (vLLM's, compact or with spaces) is read
-    by one match; any other goes through the JSON decoder, with the same counts."""
-    at = body.rfind(b'"usage"', -USAGE_TAIL)
-    if at < 0:
-        return None
-    match = USAGE_SHAPE.match(body, at)
-    if match is not None:
-        prompt, completion, completion_later, cached = match.groups()
-        return int(prompt), int(completion or completion_later), int(cached) if cached is not None else None
+def answer_counts(body: bytes, at: int) -> tuple[int | None, int | None, int | None] | None:
+    """(prompt, completion, cached) tokens of a whole JSON answer's `usage`, whose key is at `at`, as the JSON
+    decoder reads them: each None where the usage has no such count; None without a usage object."""
     usage = answer_usage(body, at)
     if usage is None:
         return None
