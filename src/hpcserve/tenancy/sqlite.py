@@ -76,7 +76,7 @@ INSERT OR IGNORE INTO meta (name, value) VALUES ('revision', 0);
 
 
 
-def _unchanged(value: object) -> object:
+def _null(value: None) -> None:
     return value
 
 
@@ -85,7 +85,7 @@ def _unchanged(value: object) -> object:
 # dropped, about a seventh of the tenancy thread's work per row written. A registered adapter is found at once;
 # these bind the same values as before (NULL; 0 and 1).
 sqlite3.register_adapter(bool, int)
-sqlite3.register_adapter(type(None), _unchanged)
+sqlite3.register_adapter(type(None), _null)
 
 # The UTC date of started_at; the other groups are columns (tables.GROUP_COLUMNS).
 DAY_SQL = "strftime('%Y-%m-%d', started_at, 'unixepoch')"
