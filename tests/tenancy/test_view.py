@@ -115,6 +115,8 @@ def test_the_running_windows_equal_the_windows_summed_afresh(seed):
             meter.swap({k: {m: (rng.randrange(5), rng.randrange(100)) for m in (minute - 1, minute)} for k in keys},
                        {k: rng.randrange(1000) for k in keys} if rng.random() < 0.5 else None)
             meter.written(written)
+        # every count kept is of some request (a window looked at and a refusal leave nothing behind)
+        assert all(c.requests > 0 or c.tokens > 0 for minutes in meter.own.values() for c in minutes.values())
         for check in keys:
             window = meter.window(check, minute)
             assert (window.previous_requests, window.previous_tokens, window.requests, window.tokens,

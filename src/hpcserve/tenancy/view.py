@@ -64,12 +64,13 @@ class Tally(Window):
     """A key's Window as of one epoch minute, as running sums: made at the key's first request of the minute (or
     its first after the thread swapped the stored counts) from the stored counts and this worker's own, then moved
     on by each of the key's requests as it starts and ends, so that a request reads its window rather than sums
-    it. `own` is this worker's counts of the key's minute (the Meter's, shared): a request of the minute counts
+    it. `own` is this worker's counts of the key's minute (the Meter's, shared; None until the minute has one, so
+    that a window looked at for a refused request leaves no empty counts behind): a request of the minute counts
     there without looking it up."""
 
     __slots__ = ("day_start", "minute", "own")
 
-    def __init__(self, minute: int, own: _Counts):
+    def __init__(self, minute: int, own: _Counts | None):
         super().__init__()
         self.minute, self.day_start, self.own = minute, minute - minute % DAY_MINUTES, own
 
@@ -111,6 +112,8 @@ class Meter:
         """A request of this epoch minute (TenantView.admit counts a rated key's through its window at once)."""
         tally = self.windows.get(key_id)
         if tally is not None and tally.minute == minute:
+            if tally.own is None:
+                tally.own = self._own(key_id, minute)
             tally.own.requests += 1
             tally.requests += 1
             return
@@ -123,7 +126,7 @@ class Meter:
         if not tokens:
             return
         tally = self.windows.get(key_id)
-        if tally is not None and tally.minute == minute:
+        if tally is not None and tally.minute == minute and tally.own is not None:
             tally.own.tokens += tokens
             tally.tokens += tokens
             tally.day_tokens += tokens
@@ -162,11 +165,12 @@ class Meter:
         return tally
 
     def _tally(self, key_id: str, minute: int) -> Tally:
-        tally = Tally(minute, self._own(key_id, minute))
+        own = self.own.get(key_id, _NONE)
+        tally = Tally(minute, own.get(minute))
         for at, (requests, tokens) in self.stored.get(key_id, _NONE).items():
             tally.add(at, requests, tokens)
         tally.day_tokens += self.stored_day.get(key_id, 0)
-        for at, counts in self.own[key_id].items():
+        for at, counts in own.items():
             tally.add(at, counts.requests, counts.tokens)
         return tally
 
@@ -273,7 +277,10 @@ class TenantView:
             window = self.meter.window(tenant.key_id, minute)
         hit = rate_hit(tenant.limits, window, now)
         if hit is None:  # Meter.began, inline: the window is the key's of this minute
-            window.own.requests += 1
+            own = window.own
+            if own is None:
+                own = window.own = self.meter._own(tenant.key_id, minute)
+            own.requests += 1
             window.requests += 1
         return hit
 
