@@ -359,24 +359,35 @@ def test_a_records_token_counts_are_its_parsed_progress_without_parsing():
         for fold in (10**9, 300):  # nothing folded; folded on the way
             for end in (1, 2, 4, len(events)):
                 record, parsed = m.Record(kind, fold_bytes=fold), m.Record(kind)
+                stripped, counted = m.Record(kind, fold_bytes=fold), sse.IdCount()  # counted as strip_ids writes
                 for event in events[:end]:
                     record.add(event)
                     parsed.add(event)
+                    stripped.add(event)
+                    sse.strip_ids(event, counted)
                 progress = parsed.progress()
                 prompt = len(progress.prompt_ids) if progress.prompt_ids is not None else None
                 assert record.token_counts() == (prompt, len(progress.ids)), (kind, fold, end)
+                assert stripped.token_counts(counted) == (prompt, len(progress.ids)), (kind, fold, end)
     no_ids = m.Record(m.Kind.COMPLETION)  # an engine that sends no token ids (a stand-in): unknown, not 0
-    no_ids.add(b'data: {"choices":[{"index":0,"text":"x"}]}\n\n')
-    assert no_ids.token_counts() == (None, None)
+    event = b'data: {"choices":[{"index":0,"text":"x"}]}\n\n'
+    no_ids.add(event)
+    counted = sse.IdCount()
+    sse.strip_ids(event, counted)
+    assert no_ids.token_counts() == no_ids.token_counts(counted) == (None, None)
 
 
 def test_token_ids_are_counted_in_lists_of_any_length_across_events():
     assert m.ids_in([b"79", b"", b"1,2,3", b"4, 5"]) == 1 + 0 + 3 + 2
-    record = m.Record(m.Kind.COMPLETION)
-    record.add(b'data: {"choices":[{"index":0,"text":"a b","prompt_token_ids":[1,2,3],"token_ids":[7,8]}]}\n\n'
-               b'data: {"choices":[{"index":0,"text":"","prompt_token_ids":null,"token_ids":[]}]}\n\n')
-    record.add(b'data: {"choices":[{"index":0,"text":"c","prompt_token_ids":null,"token_ids":[9]}]}\n\ndata: [DONE]\n\n')
-    assert record.token_counts() == (3, 3)
+    record, counted = m.Record(m.Kind.COMPLETION), sse.IdCount()
+    for events in ((b'data: {"choices":[{"index":0,"text":"a b","prompt_token_ids":[1,2,3],"token_ids":[7,8]}]}\n\n'
+                    b'data: {"choices":[{"index":0,"text":"","prompt_token_ids":null,"token_ids":[]}]}\n\n'),
+                   (b'data: {"choices":[{"index":0,"text":"c","prompt_token_ids":null,"token_ids":[9]}]}\n\n'
+                    b'data: [DONE]\n\n')):
+        record.add(events)
+        assert b'_ids":[' not in sse.strip_ids(events, counted)  # every id list written null
+    assert record.token_counts() == record.token_counts(counted) == (3, 3)
+    assert (counted.lists, counted.ids) == (3, 3)
 
 
 # ------------------------------------------------------------------ what may migrate

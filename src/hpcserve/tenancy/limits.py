@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple, TypeGuard
+from typing import TypeGuard
 
 from hpcserve.tenancy.records import Limits
 
@@ -28,14 +28,21 @@ class LimitHit:
     retry_after_s: int | None = None
 
 
-class Window(NamedTuple):  # one per rated request: a tuple is the cheapest record to make
-    """One key's counts: the previous and the current minute, and the UTC day so far."""
+class Window:
+    """One key's counts: the previous and the current minute, and the UTC day so far. Mutable: the caller keeps
+    one per key as running sums (view.Meter), moved on as requests start and end, rather than one made per
+    request."""
 
-    previous_requests: int = 0
-    previous_tokens: int = 0
-    requests: int = 0
-    tokens: int = 0
-    day_tokens: int = 0
+    __slots__ = ("day_tokens", "previous_requests", "previous_tokens", "requests", "tokens")
+
+    def __init__(self, previous_requests: int = 0, previous_tokens: int = 0, requests: int = 0, tokens: int = 0,
+                 day_tokens: int = 0):
+        self.previous_requests, self.previous_tokens = previous_requests, previous_tokens
+        self.requests, self.tokens, self.day_tokens = requests, tokens, day_tokens
+
+    def __repr__(self) -> str:
+        return (f"Window(previous_requests={self.previous_requests}, previous_tokens={self.previous_tokens}, "
+                f"requests={self.requests}, tokens={self.tokens}, day_tokens={self.day_tokens})")
 
 
 def cap_hit(limits: Limits, data: dict | None) -> LimitHit | None:
@@ -68,18 +75,20 @@ def missing_max_tokens(limits: Limits, data: dict | None) -> int | None:
 
 def rate_hit(limits: Limits, window: Window, now: float) -> LimitHit | None:
     """A rate this request would pass (counted as one more request), else None."""
-    into = (now % 60) / 60  # the part of the current minute gone
-    weight = 1 - into  # of the previous minute in the sliding one
-    if limits.requests_per_minute is not None:
-        used = window.previous_requests * weight + window.requests
-        if used + 1 > limits.requests_per_minute:
-            wait = _until_below(window.previous_requests, window.requests, into, limits.requests_per_minute - 1)
-            return _rate(limits.requests_per_minute, "requests_per_minute", "requests in the last minute", wait)
-    if limits.tokens_per_minute is not None:
-        used = window.previous_tokens * weight + window.tokens
-        if used >= limits.tokens_per_minute:
-            wait = _until_below(window.previous_tokens, window.tokens, into, limits.tokens_per_minute - 1)
-            return _rate(limits.tokens_per_minute, "tokens_per_minute", "tokens in the last minute", wait)
+    # The previous minute's weight is at most 1 (and the counts >= 0): a window whose two minutes' plain sum is
+    # within a rate is within its sliding count too, and most requests need no weighing at all.
+    rpm = limits.requests_per_minute
+    if rpm is not None and window.previous_requests + window.requests + 1 > rpm:
+        into = (now % 60) / 60  # the part of the current minute gone; 1 - into: the previous minute's weight
+        if window.previous_requests * (1 - into) + window.requests + 1 > rpm:
+            wait = _until_below(window.previous_requests, window.requests, into, rpm - 1)
+            return _rate(rpm, "requests_per_minute", "requests in the last minute", wait)
+    tpm = limits.tokens_per_minute
+    if tpm is not None and window.previous_tokens + window.tokens >= tpm:
+        into = (now % 60) / 60
+        if window.previous_tokens * (1 - into) + window.tokens >= tpm:
+            wait = _until_below(window.previous_tokens, window.tokens, into, tpm - 1)
+            return _rate(tpm, "tokens_per_minute", "tokens in the last minute", wait)
     if limits.tokens_per_day is not None and window.day_tokens >= limits.tokens_per_day:
         wait = DAY_S - now % DAY_S
         return _rate(limits.tokens_per_day, "tokens_per_day", "tokens today (UTC)", wait, "at 00:00 UTC, ")

@@ -134,15 +134,17 @@ class PostgresStore:
         return tables.revision_value(
             self._conn().execute("SELECT value FROM meta WHERE name = %s", (tables.REVISION,)).fetchone())
 
-    def record_usage(self, rows: Sequence[UsageRow]) -> None:
+    def record_usage(self, rows: Sequence[UsageRow]) -> list[tuple[str, int, int, int]]:
         if not rows:
-            return
+            return []
+        counts = tables.minute_counts(rows)
         db = self._conn()
         with db.transaction(), db.cursor() as cursor:
             cursor.executemany(f"INSERT INTO usage ({', '.join(tables.USAGE_COLUMNS)}) "
                                f"VALUES ({', '.join(['%s'] * len(tables.USAGE_COLUMNS))})",
                                [tables.usage_row(row) for row in rows])
-            cursor.executemany(tables.MINUTE_UPSERT, tables.minute_counts(rows))
+            cursor.executemany(tables.MINUTE_UPSERT, counts)
+        return counts
 
     def usage(self, by: GroupBy, since: float | None = None, until: float | None = None) -> list[UsageTotal]:
         group = DAY_SQL if by is GroupBy.DAY else tables.GROUP_COLUMNS[by]

@@ -39,8 +39,8 @@ class Store(Protocol):
         """Raised by every add_key and revoke: cheap, polled."""
         ...
 
-    def record_usage(self, rows: Sequence[UsageRow]) -> None:
-        """Rows and their minutes' counts, in one transaction."""
+    def record_usage(self, rows: Sequence[UsageRow]) -> list[tuple[str, int, int, int]]:
+        """Rows and their minutes' counts, in one transaction; returns those counts (tables.minute_counts)."""
         ...
 
     def usage(self, by: GroupBy, since: float | None = None, until: float | None = None) -> list[UsageTotal]: ...

@@ -64,8 +64,9 @@ def revision_value(row: Sequence[Any] | None) -> int:
 
 
 def usage_row(row: UsageRow) -> tuple[Any, ...]:
-    return (row.started_at, row.key_id, row.user, row.project, row.model, row.route, row.status, row.prompt_tokens,
-            row.cached_tokens, row.completion_tokens, row.ttft_s, row.duration_s, bool(row.migrated))
+    """The row's values in USAGE_COLUMNS' order: a UsageRow is that tuple already (migrated made a bool, for
+    PostgreSQL's boolean column, where a caller gave another truth value)."""
+    return row if type(row.migrated) is bool else row._replace(migrated=bool(row.migrated))
 
 
 def usage_record(row: Sequence[Any]) -> UsageRow:

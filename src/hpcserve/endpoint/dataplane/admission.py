@@ -97,10 +97,14 @@ class FairQueue:
         return min(names, key=self.start)  # min keeps the first of equals: the caller lists oldest first
 
     def served(self, name: str) -> None:
-        self.now = max(self.now, self.finish.get(name, 0.0))  # start(name), inline: once per request and queue
-        self.finish[name] = self.now + 1.0 / self.weights.get(name, 1.0)
-        if len(self.finish) > 4 * 4096:  # names long gone: their tags are behind now and mean nothing
-            self.finish = {n: f for n, f in self.finish.items() if f > self.now}
+        finish = self.finish
+        now = finish.get(name, 0.0)  # start(name), inline: once per request and queue
+        if now < self.now:  # noqa: PLR1730 - max() is a call of its own, twice per request
+            now = self.now
+        self.now = now
+        finish[name] = now + 1.0 / self.weights.get(name, 1.0)
+        if len(finish) > 4 * 4096:  # names long gone: their tags are behind now and mean nothing
+            self.finish = {n: f for n, f in finish.items() if f > now}
 
 
 class FairShare:
@@ -150,7 +154,8 @@ class FairShare:
 
     def served(self, project: str, user: str, now: float) -> None:
         self.projects.served(project)
-        self._users_of(project).served(user)
+        users = self.users.get(project)  # _users_of, its call spared once the project has its queue
+        (users if users is not None else self._users_of(project)).served(user)
         who = (project, user)
         if who not in self.running and who not in self.seen:
             self._became_active(project)
@@ -202,7 +207,9 @@ class FairShare:
         keeps it busy between two requests); the rest wait here, where a newcomer can pass them. While
         others are active, requests go only into free places of the running batches: one queued in an
         engine would wait there behind whoever came first."""
-        self.expire(now)
+        seen = self.seen
+        if seen and now - next(iter(seen.values())) >= ACTIVE_S:  # expire's first look, its call spared
+            self.expire(now)
         if admitted >= slots:
             return False
         who = (project, user)

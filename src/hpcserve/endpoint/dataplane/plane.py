@@ -276,10 +276,10 @@ class DataPlane:
         assert tenants is not None, "a tenant is only ever identified by self.tenants (answer)"
         model = data.get("model") if data is not None else None
         model = model if isinstance(model, str) else None
-        if model is not None and not tenant.allows_model(model):
+        if model is not None and tenant.models is not None and model not in tenant.models:  # Tenant.allows_model
             raise Refusal(403, model_refusal(model, tenant.models or ()))
         now = time.time()
-        hit = tenants.check(tenant, data, now)
+        hit = tenants.admit(tenant, data, now)  # counted against its key when it passes
         if hit is not None:
             status, answer, _ = limit_refusal(hit)
             raise Refusal(status, answer, retry_after=hit.retry_after_s if hit.retry_after_s is not None else False)
@@ -287,7 +287,6 @@ class DataPlane:
         if cap is not None and data is not None:  # a cap only for a request's JSON
             data = {**data, "max_tokens": cap}
             body = json.dumps(data).encode()
-        tenants.began(tenant, now)
         request[VISIT] = Visit(tenant, target.split("?", 1)[0], model, now, time.monotonic())
         return body, data
 

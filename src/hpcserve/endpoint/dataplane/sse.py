@@ -5,6 +5,7 @@ migrate): whole events out of a byte stream, vLLM's failure events, token ids wr
 from __future__ import annotations
 
 IDS = b'token_ids":['  # ends both "token_ids" and "prompt_token_ids"
+QUOTE = ord('"')  # before "token_ids" (before "prompt_token_ids": '_')
 ERROR = b'data: {"error"'
 ABORT = b'"finish_reason":"abort"'
 DONE = b"data: [DONE]\n\n"
@@ -55,10 +56,23 @@ def is_failure(event: bytes) -> bool:
     return event.startswith(ERROR) or ABORT in event
 
 
-def strip_ids(event: bytes) -> bytes:
+class IdCount:
+    """What strip_ids wrote null, counted where a caller asks (a usage row's generated tokens): the "token_ids"
+    lists (not the prompt's), and the ids in them. The lists are found there anyway; counting them costs a
+    stream a count per list, where a scan of its events at the end cost a pass over all of them."""
+
+    __slots__ = ("ids", "lists")
+
+    def __init__(self) -> None:
+        self.ids = 0
+        self.lists = 0
+
+
+def strip_ids(event: bytes, count: IdCount | None = None) -> bytes:
     """The event with every token id list ("token_ids", "prompt_token_ids") written null, as vLLM writes
     them when the client did not ask. Bytes only: inside a JSON string a quote is escaped, so
-    `token_ids":[` can only be a key, and a list of ints holds no ']'."""
+    `token_ids":[` can only be a key, and a list of ints holds no ']'. count: the "token_ids" lists and their
+    ids added to it."""
     start = event.find(IDS)
     if start < 0:
         return event
@@ -68,6 +82,10 @@ def strip_ids(event: bytes) -> bytes:
         opening = start + len(IDS) - 1
         parts += (event[position:opening], b"null")
         position = event.index(b"]", opening) + 1
+        if count is not None and start and event[start - 1] == QUOTE:  # "token_ids", not "prompt_token_ids"
+            count.lists += 1
+            if position - opening > 2:  # not empty: its commas and one
+                count.ids += event.count(b",", opening, position) + 1
         start = event.find(IDS, position)
     parts.append(event[position:])
     return b"".join(parts)

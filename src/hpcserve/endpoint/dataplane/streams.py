@@ -39,6 +39,7 @@ from hpcserve.endpoint.dataplane.sse import (
     DONE,
     DONE_MARK,
     EventSplitter,
+    IdCount,
     has_failure,
     is_failure,
     split_events,
@@ -86,6 +87,8 @@ class Stream:
         self.plane, self.room, self.response, self.lease, self.backend = plane, room, response, lease, lease.backend
         self.request, self.headers = request, headers
         self.events, self.record = EventSplitter(), Record(request.kind)
+        # With tenants, the ids that strip_ids writes null are counted there for the usage row (token_counts)
+        self.ids = IdCount() if plane.tenants is not None and request.strip_ids else None
         self.progress = None  # the Progress once a migration began (the record's, then the continuation's)
         self.continuation: Continuation | None = None
         self.tried: list[Backend] = [lease.backend]
@@ -131,7 +134,7 @@ class Stream:
             if whole and self.continuation is None and not has_failure(whole):  # most chunks: as they came
                 self.record.add(whole)
                 self.done = self.done or DONE_MARK in whole
-                await self.response.write(strip_ids(whole) if self.request.strip_ids else whole)
+                await self.response.write(strip_ids(whole, self.ids) if self.request.strip_ids else whole)
             elif whole:
                 await self.pass_events(whole)
                 if self.continuation is not None and self.continuation.ended:
@@ -168,7 +171,7 @@ class Stream:
         if self.continuation is not None:
             return self.continuation.feed(event)  # CannotMigrate: the stream is cut (ConnectionError)
         self.record.add(event)
-        return strip_ids(event) if self.request.strip_ids else event
+        return strip_ids(event, self.ids) if self.request.strip_ids else event
 
     def hand_over_now(self) -> None:
         """Its replica was just handed over: move now rather than at the engine's next chunk (closing the
@@ -197,7 +200,7 @@ class Stream:
         """(prompt, generated) tokens of what the client got: the original prompt, each token once however
         often the stream moved."""
         if self.progress is None:
-            return self.record.token_counts()
+            return self.record.token_counts(self.ids)
         progress = self.progress
         generated = None if progress.missing_ids else len(progress.ids)
         return (len(progress.prompt_ids) if progress.prompt_ids is not None else None), generated
