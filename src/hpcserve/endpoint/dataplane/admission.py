@@ -207,8 +207,9 @@ class FairShare:
         keeps it busy between two requests); the rest wait here, where a newcomer can pass them. While
         others are active, requests go only into free places of the running batches: one queued in an
         engine would wait there behind whoever came first."""
-        seen = self.seen
-        if seen and now - next(iter(seen.values())) >= ACTIVE_S:  # expire's first look, its call spared
+        seen, kept = self.seen, self.kept
+        if ((seen and now - next(iter(seen.values())) >= ACTIVE_S)  # expire's first looks, its call spared
+                or (kept and now >= next(iter(kept.values()))[1])):
             self.expire(now)
         if admitted >= slots:
             return False
