@@ -289,3 +289,5 @@ def test_who_is_active_follows_its_definition_whatever_the_order(events):
         projects = {p for p, _ in active}
         assert fair.weight_sum == pytest.approx(sum(shares.get(p, 1.0) for p in projects))
         assert fair.active_users == {p: sum(1 for q, _ in active if q == p) for p in projects}
+        assert fair.kept_most == sum(most for most, _ in fair.kept.values())
+        assert all(until > now for _, until in fair.kept.values())  # expire dropped the lapsed

@@ -130,6 +130,7 @@ class FairShare:
         # per user who freed places lately: (the most in flight since, until when they are kept), the
         # soonest to lapse first
         self.kept: OrderedDict[tuple[str, str], tuple[int, float]] = OrderedDict()
+        self.kept_most = 0  # the kept places' "most" summed: a bound on those kept free (may_go's shortcut)
 
     def arrived(self, project: str, user: str, now: float) -> None:
         who = (project, user)
@@ -145,6 +146,7 @@ class FairShare:
         if held is None or now >= held[1]:  # the places it had now, kept from here on
             self.kept[who] = (left + 1, now + KEEP_S)
             self.kept.move_to_end(who)
+            self.kept_most += left + 1 - (held[0] if held is not None else 0)
         if left > 0:
             self.running[who] = left
             return
@@ -163,16 +165,18 @@ class FairShare:
         held = self.kept.get(who)
         if held is not None and running > held[0]:  # more than it kept: the most in flight moves up
             self.kept[who] = (running, held[1])
+            self.kept_most += running - held[0]
 
     def expire(self, now: float) -> None:
         """Users whose last request is older than ACTIVE_S and who have none in flight are no longer active;
         places kept longer than KEEP_S are free for anyone."""
         kept = self.kept
         while kept:
-            who, (_, until) = next(iter(kept.items()))
+            who, (most, until) = next(iter(kept.items()))
             if now < until:
                 break
             del kept[who]
+            self.kept_most -= most
         seen = self.seen
         while seen:
             who, at = next(iter(seen.items()))
@@ -218,7 +222,7 @@ class FairShare:
             return True  # alone: every place, the extra one per engine included
         if admitted >= capacity:
             return False  # shared: only into a running batch; in an engine's queue no fair order reaches it
-        if admitted < capacity - RESERVE and not self.kept:  # no place kept for anyone: room either way
+        if admitted + RESERVE + self.kept_most < capacity:  # room even if every kept place were free
             return True
         if self.running.get(who, 0) < self.share_of(project, capacity):
             return True  # below its share: any free place
