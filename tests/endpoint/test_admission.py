@@ -161,7 +161,7 @@ def test_fair_share_picks_projects_by_share_then_users_within_them():
     picks = []
     for _ in range(6):
         project, user = fair.choose(waiting)
-        fair.served(project, user, 0.0)
+        fair.served(project, user)
         picks.append((project, user))
     assert [p for p, _ in picks].count("b") == 3  # the project with one user gets half the turns
     assert {u for p, u in picks if p == "a"} == {"a1", "a2"}  # a's turns go round its users
@@ -232,9 +232,9 @@ def test_places_a_light_user_freed_go_back_to_the_heavy_user_after_keep_s():
     for who in ("light", "heavy"):
         fair.arrived("p-" + who, who, 0.0)
     for _ in range(2):
-        fair.served("p-light", "light", 0.0)
+        fair.served("p-light", "light")
     for _ in range(5):
-        fair.served("p-heavy", "heavy", 0.0)
+        fair.served("p-heavy", "heavy")
     for _ in range(2):
         fair.ended("p-light", "light", 1.0)  # light's 2 places freed: 5 of 8 taken
     # heavy (above its share of 4) leaves RESERVE and light's two: 5 + 1 + 2 = 8
@@ -251,14 +251,14 @@ def test_a_heavy_user_keeps_no_places_from_another():
     for who in ("h1", "h2"):
         fair.arrived(who, who, 0.0)
     for _ in range(6):
-        fair.served("h1", "h1", 0.0)
+        fair.served("h1", "h1")
     for _ in range(2):
-        fair.served("h2", "h2", 0.0)
+        fair.served("h2", "h2")
     fair.ended("h1", "h1", 0.5)  # h1 (5, above its 4) freed one: not kept from h2
     assert fair.may_go("h2", "h2", admitted=7, capacity=8, slots=10, now=0.6)  # h2 below its share
-    fair.served("h2", "h2", 0.6)
+    fair.served("h2", "h2")
     for _ in range(3):
-        fair.served("h2", "h2", 0.6)  # h2 at 6: above its share too
+        fair.served("h2", "h2")  # h2 at 6: above its share too
     assert fair.may_go("h2", "h2", admitted=6, capacity=8, slots=10, now=0.7)  # h1's freed place: not kept
 
 
@@ -280,7 +280,7 @@ def test_who_is_active_follows_its_definition_whatever_the_order(events):
             fair.arrived(*who, now)
             last[who] = now
         elif action == "serve":
-            fair.served(*who, now)
+            fair.served(*who)
         elif fair.running.get(who):
             fair.ended(*who, now)
         active = {w for w, at in last.items() if now - at < ACTIVE_S} | set(fair.running)

@@ -139,11 +139,12 @@ class FairShare:
         self.seen[who] = now
         self.seen.move_to_end(who)
 
-    def ended(self, project: str, user: str, now: float) -> None:
+    def ended(self, project: str, user: str, now: float | None) -> None:
+        """now: None while the pool has room to spare (nothing to keep: the bookkeeping spared)."""
         who = (project, user)
         left = self.running.get(who, 0) - 1
         held = self.kept.get(who)
-        if held is None or now >= held[1]:  # the places it had now, kept from here on
+        if now is not None and (held is None or now >= held[1]):  # the places it had now, kept from here on
             self.kept[who] = (left + 1, now + KEEP_S)
             self.kept.move_to_end(who)
             self.kept_most += left + 1 - (held[0] if held is not None else 0)
@@ -154,7 +155,7 @@ class FairShare:
         if who not in self.seen:
             self._became_idle(project)
 
-    def served(self, project: str, user: str, now: float) -> None:
+    def served(self, project: str, user: str) -> None:
         self.projects.served(project)
         users = self.users.get(project)  # _users_of, its call spared once the project has its queue
         (users if users is not None else self._users_of(project)).served(user)
@@ -376,14 +377,15 @@ class Admission:
         self.in_flight += cost
         self.admitted += 1
         if self.fair is not None:
-            self.fair.served(ticket.project, ticket.user, time.monotonic())
+            self.fair.served(ticket.project, ticket.user)
 
     def leave(self, ticket: Ticket) -> None:
         """The request ended (answered, failed, or its client left)."""
         self.in_flight -= ticket.cost
         self.admitted -= 1
-        if self.fair is not None:
-            self.fair.ended(ticket.project, ticket.user, time.monotonic())
+        if self.fair is not None:  # places are kept only where the pool was full (beyond its reserve)
+            full = self.admitted + 1 + RESERVE >= self._sized[3]
+            self.fair.ended(ticket.project, ticket.user, time.monotonic() if full else None)
         self.admit()
 
     def admit(self) -> None:
