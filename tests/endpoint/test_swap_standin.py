@@ -33,6 +33,10 @@ def endpoint(tmp_path_factory):
                               "min_awake_s": 0, "wake_wait_s": 30}) as running:
         url = running[1]
         wait_until(lambda: model_states(url) == {FIRST: "serving", OTHER: "asleep"}, 30, "both models listed")
+        # the data plane lists them a moment before the controller's next round writes its state.json
+        wait_until(lambda: state(running[0]).members and state(running[0]).members[0]["backends"]
+                   and RunState.read(state(running[0]).members[0]["record"]["run_dir"]).swap, 30,
+                   "the member's engines in state.json")
         yield running
 
 
