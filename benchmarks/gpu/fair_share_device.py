@@ -19,14 +19,13 @@ within 1.25 x B's alone; the pool's tokens/s with B >= 0.97 x A's alone), and th
 from __future__ import annotations
 
 import argparse
-import asyncio
 import shutil
 import sys
 import time
 from pathlib import Path
 
 from tenancy_bench import finish, workspace
-from tenancy_fair_share import B_SHARE, CALIBRATE_S, calibrate, mode_targets, run
+from tenancy_fair_share import mode_targets, run_calibrated
 
 from hpcserve.engine.client import completion_probe
 
@@ -85,12 +84,7 @@ def main() -> int:
     with workspace("hpcserve-fair-gpu-") as here:
         try:
             targets = mode_targets(here, urls, args.max_num_seqs, MODEL, args.workers)
-            if args.b_rate <= 0:
-                a_rate = asyncio.run(calibrate(*targets["fcfs"], args))
-                args.b_rate = round(max(a_rate * B_SHARE, 0.05), 3)
-                print(f"A alone: {a_rate:.2f} requests/s over {CALIBRATE_S:g} s: B sends {args.b_rate}/s", flush=True)
-            results = asyncio.run(run(targets, args))
-            results["b_rate"] = args.b_rate
+            results = run_calibrated(targets, args, min_b_rate=0.05)
             print("\n".join(verdict(results)), flush=True)
             finish(results, args)
         finally:
