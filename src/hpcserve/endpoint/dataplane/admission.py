@@ -235,14 +235,12 @@ class FairShare:
         return capacity * weight / self.active_users.get(project, 1)
 
     def kept_for_others(self, who: tuple[str, str], capacity: int) -> int:
-        """The free places other users below their share freed within KEEP_S (expire has dropped older)."""
+        """The free places other users freed within KEEP_S (expire has dropped older), each user's counted up
+        to their share: a user at or above it has none kept."""
         total = 0
         for other, (most, _) in self.kept.items():
-            if other == who:
-                continue
-            running = self.running.get(other, 0)
-            if running < self.share_of(other[0], capacity):
-                total += max(0, min(most, math.ceil(self.share_of(other[0], capacity))) - running)
+            if other != who:
+                total += max(0, min(most, math.ceil(self.share_of(other[0], capacity))) - self.running.get(other, 0))
         return total
 
     def _users_of(self, project: str) -> FairQueue:
