@@ -16,7 +16,9 @@ tokens/s of both users, counted from the usage chunk), and the engines' occupanc
 (vLLM's /metrics, read every OCCUPANCY_EVERY_S) over --max-num-seqs, on average. The figures the issue asks
 for: B's TTFT p50 with A over B's alone (target <= 1.25) and the pool's throughput with B over A alone's
 (target >= 0.97). On two shared cores the engines' speed moves between phases by more than that; the
-occupancy ratio (A and B over A alone) says whether places were left empty, whatever the speed.
+occupancy ratio (A and B over A alone) says whether places were left empty, whatever the speed. With fair
+share, how long B's requests waited in the data plane for a place (its /metrics, hpcserve_project_admission_wait_
+seconds of B's project): what of B's TTFT is the admission's, the rest is the engines' (and, here, the shared cores').
 --standin-token-ms: stand-ins (hpcserve.testing.standin) instead of vLLM, each --max-num-seqs places served
 first come first served, a request's first token after --standin-first-ms and then one every MS: a pool
 shaped like the GPU's (whose throughput follows the places in use), on which the admission's choices show
@@ -30,7 +32,9 @@ import asyncio
 import json
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import aiohttp
 from router import KEY, start_engines, start_stubs
@@ -46,6 +50,7 @@ from hpcserve.tenancy.store import open_store
 MODES = ("fair", "fcfs")
 CALIBRATE_S = 10.0
 B_SHARE = 0.1  # --b-rate 0: B sends a tenth of A's request rate alone (the issue's "A sends 10x B's rate")
+B_PROJECT = "pb"
 OCCUPANCY_EVERY_S = 0.25  # /metrics reads per engine: each costs its API server a few ms of a shared core
 
 
@@ -82,8 +87,30 @@ async def occupancy(session: aiohttp.ClientSession, engines: list[str], until: f
         await asyncio.sleep(OCCUPANCY_EVERY_S)
 
 
-async def phase(url: str, keys: dict[str, str], users: str, args: argparse.Namespace) -> dict:
+class Target(NamedTuple):
+    """A mode's data plane: its URL, the keys A and B send, its /metrics text (None: B's waits not told apart)."""
+
+    url: str
+    keys: dict[str, str]
+    metrics: Callable[[], str] | None = None
+
+
+def project_waits(metrics: str, project: str) -> tuple[float, float]:
+    """(requests that waited in admission, seconds waited in all) of a project, from the data plane's /metrics."""
+    count = total = 0.0
+    for line in metrics.splitlines():
+        if f'project="{project}"' in line:
+            if line.startswith("hpcserve_project_admission_wait_seconds_count"):
+                count = float(line.split()[-1])
+            elif line.startswith("hpcserve_project_admission_wait_seconds_sum"):
+                total = float(line.split()[-1])
+    return count, total
+
+
+async def phase(target: Target, users: str, args: argparse.Namespace) -> dict:
     """A closed loop for A and/or an open loop (Poisson) for B, for phase_s; what each got."""
+    url, keys = target.url, target.keys
+    waits_before = project_waits(await asyncio.to_thread(target.metrics), B_PROJECT) if target.metrics else None
     records = {u: {"ttft": [], "tokens": 0, "failed": 0} for u in "AB"}
     running: list[float] = []
     loop = asyncio.get_running_loop()
@@ -113,25 +140,32 @@ async def phase(url: str, keys: dict[str, str], users: str, args: argparse.Names
         await asyncio.gather(*tasks)
         wall = time.perf_counter() - started
     b = records["B"]["ttft"]
-    return {"b_requests": len(b), "b_ttft_p50_s": percentile(b, 50), "b_ttft_p90_s": percentile(b, 90),
-            "a_requests": len(records["A"]["ttft"]), "failed": records["A"]["failed"] + records["B"]["failed"],
-            "tokens_per_s": round((records["A"]["tokens"] + records["B"]["tokens"]) / wall, 1),
-            "occupancy": round(sum(running) / len(running) / args.max_num_seqs, 3) if running else None}
+    got = {"b_requests": len(b), "b_ttft_p50_s": percentile(b, 50), "b_ttft_p90_s": percentile(b, 90),
+           "b_ttft_mean_s": round(sum(b) / len(b), 4) if b else None,
+           "a_requests": len(records["A"]["ttft"]), "failed": records["A"]["failed"] + records["B"]["failed"],
+           "tokens_per_s": round((records["A"]["tokens"] + records["B"]["tokens"]) / wall, 1),
+           "occupancy": round(sum(running) / len(running) / args.max_num_seqs, 3) if running else None}
+    if waits_before is not None and target.metrics is not None and b:
+        count, total = project_waits(await asyncio.to_thread(target.metrics), B_PROJECT)
+        # B's requests that waited for a place, and the mean wait over all of B's (beside b_ttft_mean_s)
+        got["b_waited"] = int(count - waits_before[0])
+        got["b_wait_mean_s"] = round((total - waits_before[1]) / len(b), 4)
+    return got
 
 
-async def calibrate(url: str, keys: dict[str, str], args: argparse.Namespace) -> float:
+async def calibrate(target: Target, args: argparse.Namespace) -> float:
     """A's request rate alone (requests/s over CALIBRATE_S, the stragglers' tail included)."""
     started = time.perf_counter()
-    got = await phase(url, keys, "A", argparse.Namespace(**{**vars(args), "phase_s": CALIBRATE_S}))
+    got = await phase(target, "A", argparse.Namespace(**{**vars(args), "phase_s": CALIBRATE_S}))
     return got["a_requests"] / (time.perf_counter() - started)
 
 
-async def run(targets: dict[str, tuple[str, dict[str, str]]], args: argparse.Namespace) -> dict:
+async def run(targets: dict[str, Target], args: argparse.Namespace) -> dict:
     results = {}
     for mode in MODES:
-        url, keys = targets[mode]
-        await phase(url, keys, "A", argparse.Namespace(**{**vars(args), "phase_s": 5}))  # warm, unmeasured
-        point = {name: await phase(url, keys, users, args) for name, users in
+        target = targets[mode]
+        await phase(target, "A", argparse.Namespace(**{**vars(args), "phase_s": 5}))  # warm, unmeasured
+        point = {name: await phase(target, users, args) for name, users in
                  (("B alone", "B"), ("A alone", "A"), ("A and B", "AB"))}
         point["b_ttft_ratio"] = round(point["A and B"]["b_ttft_p50_s"] / point["B alone"]["b_ttft_p50_s"], 2)
         point["throughput_ratio"] = round(point["A and B"]["tokens_per_s"] / point["A alone"]["tokens_per_s"], 3)
@@ -142,12 +176,11 @@ async def run(targets: dict[str, tuple[str, dict[str, str]]], args: argparse.Nam
     return results
 
 
-def run_calibrated(targets: dict[str, tuple[str, dict[str, str]]], args: argparse.Namespace,
-                   min_b_rate: float) -> dict:
+def run_calibrated(targets: dict[str, Target], args: argparse.Namespace, min_b_rate: float) -> dict:
     """run, with --b-rate 0 set first to B_SHARE of A's rate alone (through the first come first served
     data plane, at least min_b_rate); the rate B sent goes with the results."""
     if args.b_rate <= 0:
-        a_rate = asyncio.run(calibrate(*targets["fcfs"], args))
+        a_rate = asyncio.run(calibrate(targets["fcfs"], args))
         args.b_rate = round(max(a_rate * B_SHARE, min_b_rate), 3)
         print(f"A alone: {a_rate:.2f} requests/s over {CALIBRATE_S:g} s: B sends {args.b_rate}/s", flush=True)
     results = asyncio.run(run(targets, args))
@@ -156,13 +189,13 @@ def run_calibrated(targets: dict[str, tuple[str, dict[str, str]]], args: argpars
 
 
 def mode_targets(here, urls: list[str], capacity: int, model: str = "tiny",
-                 workers: int = 1) -> dict[str, tuple[str, dict[str, str]]]:
+                 workers: int = 1) -> dict[str, Target]:
     """One data plane per mode over the engines (each told its capacity): fair share with A's and B's own keys
     (projects of equal shares), first come first served with the deployment's key for both."""
     key_file = here.key_file(KEY)
     database = here.folder / "tenancy.sqlite"
     store = open_store(database)
-    keys = {"A": add_key(store, "a", project="pa")[0], "B": add_key(store, "b", project="pb")[0]}
+    keys = {"A": add_key(store, "a", project="pa")[0], "B": add_key(store, "b", project=B_PROJECT)[0]}
     store.close()
     settings = here.tenancy(database)
     targets = {}
@@ -174,7 +207,8 @@ def mode_targets(here, urls: list[str], capacity: int, model: str = "tiny",
         router.start([])
         for url in urls:
             router.add(url, capacity=capacity)
-        targets[mode] = (router.url, keys if mode == "fair" else {"A": KEY, "B": KEY})
+        targets[mode] = (Target(router.url, keys, router.metrics) if mode == "fair"
+                         else Target(router.url, {"A": KEY, "B": KEY}))
     return targets
 
 

@@ -2,7 +2,7 @@
 ratios of tenancy_overhead.py move by 0.1 between runs of the same code.
 
     .venv/bin/python benchmarks/tenancy_instructions.py [--requests 600] [--clients 8] [--tokens 16]
-        [--poll-every 300] [--modes off,on] [--kinds plain,streamed] [--json F]
+        [--poll-every 300] [--modes off,on] [--kinds plain,streamed] [--without PART,...] [--json F]
 
 For each mode (tenancy off / on) and kind (whole answers / streams), one process under
 `valgrind --tool=callgrind --instr-atstart=no` serves --requests requests of --clients clients in flight:
@@ -13,6 +13,10 @@ limits of tenancy_overhead.py), and the tenancy thread's work (TenantView.poll: 
 read) done in line every --poll-every requests (the thread's poll at about the rate of the real benchmark) and
 counted apart. Prints per request: the event loop's instructions, the poll's, and on - off. The same code
 counts within about 0.3 % between runs (string hashes fixed: PYTHONHASHSEED=0).
+--without leaves parts of tenancy out of the "on" mode, to count what each costs (on - on --without P): fair
+(the admission's fair share), limits (TenantView.admit: nothing counted), usage (a whole answer's usage not read),
+row (no usage row: nothing for the meter, the counters or the thread to do), identify (every request its key's
+tenant without a look: no digest, no check).
 Needs valgrind, gcc and valgrind's headers (callgrind.h), for the start / stop of the count.
 """
 
@@ -28,6 +32,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 CHILD = "HPCSERVE_CALLGRIND_CHILD"  # set in the process that valgrind runs: it serves and counts
@@ -85,6 +90,7 @@ async def serve_and_count(args: argparse.Namespace, folder: Path, cg: ctypes.CDL
         tenants = TenantView(lambda: open_store(database), KEY, Limits(), flush_s=0.0)
     settings = Settings("127.0.0.1", 0, None, unix_socket_path(folder / "admin.sock"), model="stub")
     plane = DataPlane(settings, KEY, tenants)
+    without(plane, set(filter(None, args.without.split(","))))
     await plane.open()
     plane.rooms.own.pool.update([BackendSpec(url) for url in engines])
     plane.rooms.own.wake()
@@ -138,6 +144,42 @@ async def serve_and_count(args: argparse.Namespace, folder: Path, cg: ctypes.CDL
         await runner.cleanup()
 
 
+PARTS = ("fair", "limits", "usage", "row", "identify")
+
+
+def without(plane, parts: set[str]) -> None:
+    """The parts of tenancy (PARTS) left out of this data plane (its own functions replaced by no-ops)."""
+    from hpcserve.endpoint.dataplane import tenants as visits
+
+    unknown = parts - set(PARTS)
+    if unknown:
+        raise SystemExit(f"--without: unknown parts {sorted(unknown)}; known: {', '.join(PARTS)}")
+    view = plane.tenants
+    if view is None:
+        return
+    if "fair" in parts:
+        plane.rooms.own.admission.fair = None
+    if "limits" in parts:
+        view.admit = lambda tenant, data, now: None
+    if "usage" in parts:
+        def first_byte_only(self, body):
+            self.first_byte = time.monotonic()
+        visits.Visit.whole_answer = first_byte_only
+    if "row" in parts:
+        view.ended = lambda row: None
+        plane.stats.used = lambda project, prompt, completion: None
+    if "identify" in parts:
+        check = view.identify
+        known: dict = {}
+
+        def identify(authorization, now):
+            tenant = known.get(authorization)
+            if tenant is None:
+                tenant = known[authorization] = check(authorization, now)
+            return tenant
+        view.identify = identify
+
+
 def child(args: argparse.Namespace) -> None:
     import uvloop
 
@@ -150,7 +192,8 @@ def count(args: argparse.Namespace, mode: str, kind: str) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="hpcserve-callgrind-") as folder:
         out = Path(folder) / "callgrind.out"
         argv = [sys.executable, __file__, "--mode", mode, "--kind", kind, "--requests", str(args.requests),
-                "--clients", str(args.clients), "--tokens", str(args.tokens), "--poll-every", str(args.poll_every)]
+                "--clients", str(args.clients), "--tokens", str(args.tokens), "--poll-every", str(args.poll_every),
+                "--without", args.without]
         subprocess.run(["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}.%p",
                         *argv], check=True, env={**os.environ, CHILD: folder, "PYTHONHASHSEED": "0"},
                        stdout=subprocess.DEVNULL,
@@ -175,6 +218,7 @@ def main() -> int:
     parser.add_argument("--kinds", default="plain,streamed")
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     parser.add_argument("--kind", help=argparse.SUPPRESS)
+    parser.add_argument("--without", default="", help=f"parts left out of 'on': {', '.join(PARTS)}")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if os.environ.get(CHILD):

@@ -195,6 +195,9 @@ def test_while_the_replicas_are_full_a_light_user_passes_a_heavy_users_queue():
         admission.leave(admitted[1].result())
         await asyncio.sleep(0)
         assert light.done() and len(admission.waiting) == 3  # a free place in the batch: the light user's
+        # what they waited, per project: the light user's one request; heavy's that went at once are not in it
+        assert sum(admission.waited["p-light"][:-1]) == 1 and admission.waited["p-light"][-1] > 0
+        assert "p-heavy" not in admission.waited
         for task in heavy:
             task.cancel()
 

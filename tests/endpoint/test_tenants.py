@@ -230,6 +230,10 @@ def test_fair_share_holds_a_lone_users_excess_and_starts_a_newcomer_in_a_free_pl
             light = pool.submit(first_byte_s, client, light_key).result()
             assert light < 0.9, light  # the first batch's end (0.5 s), not the heavy queue's (~2 s)
             assert max(f.result() for f in heavy) > 1.5  # the heavy user's queue did wait
+        # /metrics tells who waited in the data plane: the heavy user's excess, the light user's one request
+        counts = {line.split('"')[1]: float(line.split()[-1]) for line in router.metrics().splitlines()
+                  if line.startswith("hpcserve_project_admission_wait_seconds_count{")}
+        assert counts == {"batch": 10, "chat": 1}
     finally:
         router.stop()
         router.close()

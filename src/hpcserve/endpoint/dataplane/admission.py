@@ -49,6 +49,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from itertools import islice
 
+from hpcserve.endpoint.dataplane.metrics import observe, wait_histogram
 from hpcserve.endpoint.dataplane.routing.table import MATCH_FRACTION, Affinity, RoutingTable, cached_share
 
 # The share of the replicas' KV caches that prompts in flight may take before new prefills wait; the lower,
@@ -293,6 +294,7 @@ class Admission:
         self.admitted = 0  # requests admitted and not ended
         self.waiting: deque[Ticket] = deque()
         self.waits = 0  # requests that waited (a counter)
+        self.waited: dict[str, list[float]] = {}  # per project ('-': none), how long (metrics.wait_histogram)
         # budget, slots and capacity of the pool's replicas as they were last summed: the pool replaces its
         # list of active replicas (and their sizes) whenever it changes, so they are summed once per change
         self._sized: tuple[list | None, int | None, int | None, int] = (None, None, None, 1)
@@ -364,6 +366,10 @@ class Admission:
             elif ticket in self.waiting:
                 self.waiting.remove(ticket)
             raise
+        histogram = self.waited.get(project or "-")
+        if histogram is None:
+            histogram = self.waited[project or "-"] = wait_histogram()
+        observe(histogram, time.monotonic() - now)
         return ticket
 
     def grant(self, ticket: Ticket, cost: int) -> None:

@@ -51,6 +51,8 @@ class Stats:
     admission_waiting: int = 0
     streams_open: int = 0  # set when read: streams under way that may move (streams.py)
     projects: dict[str, list[int]] = field(default_factory=dict)  # with tenants: [requests, prompt, completion]
+    # set when read, from the admission: per project, the requests that waited there (wait_histogram)
+    admission_wait: dict[str, list[float]] = field(default_factory=dict)
 
     def done(self, status: int, seconds: float) -> None:
         self.codes[status] = self.codes.get(status, 0) + 1
@@ -79,10 +81,37 @@ class Stats:
             for project, counts in part.get("projects", {}).items():
                 known = total.projects.setdefault(project, [0, 0, 0])
                 total.projects[project] = [a + b for a, b in zip(known, counts)]
+            merge_waits(total.admission_wait, part.get("admission_wait", {}))
             for item in fields(cls):
-                if item.name not in ("codes", "buckets", "projects"):
+                if item.name not in ("codes", "buckets", "projects", "admission_wait"):
                     setattr(total, item.name, getattr(total, item.name) + part.get(item.name, 0))
         return total
+
+
+def wait_histogram() -> list[float]:
+    """Counts per DURATION_BUCKETS bucket (the last one above them all), then the seconds summed."""
+    return [0] * (len(DURATION_BUCKETS) + 1) + [0.0]
+
+
+def observe(histogram: list[float], seconds: float) -> None:
+    histogram[bisect.bisect_left(DURATION_BUCKETS, seconds)] += 1
+    histogram[-1] += seconds
+
+
+def merge_waits(into: dict[str, list[float]], part: dict[str, list[float]]) -> None:
+    """Adds per-project wait histograms (wait_histogram's shape) into `into`."""
+    for project, histogram in part.items():
+        known = into.get(project)
+        into[project] = list(histogram) if known is None else [a + b for a, b in zip(known, histogram)]
+
+
+def cumulative_buckets(counts: list) -> list[tuple[str, float]]:
+    """Prometheus' cumulative (le, count) pairs of per-bucket counts over DURATION_BUCKETS and +Inf."""
+    total, buckets = 0, []
+    for bound, count in zip((*DURATION_BUCKETS, float("inf")), counts):
+        total += count
+        buckets.append((str(bound) if bound != float("inf") else "+Inf", total))
+    return buckets
 
 
 def merged_backends(parts: list[list[dict]]) -> list[dict]:
@@ -114,13 +143,10 @@ class Collector:
                                     f"({CLIENT_CLOSED}: the client left, or the stream broke)", labels=["code"])
         for code, count in sorted(stats.codes.items()):
             codes.add_metric([str(code)], count)
-        cumulative, buckets = 0, []
-        for bound, count in zip((*DURATION_BUCKETS, float("inf")), stats.buckets):
-            cumulative += count
-            buckets.append((str(bound) if bound != float("inf") else "+Inf", cumulative))
         yield codes
         yield HistogramMetricFamily("hpcserve_router_request_duration_seconds", "From the request's arrival to "
-                                    "the end of its response", buckets=buckets, sum_value=stats.duration_sum)
+                                    "the end of its response", buckets=cumulative_buckets(stats.buckets),
+                                    sum_value=stats.duration_sum)
         for name, doc in COUNTERS:
             yield CounterMetricFamily(f"hpcserve_router_{NAMES.get(name, name)}", doc, value=getattr(stats, name))
         yield GaugeMetricFamily("hpcserve_router_held", "Requests held now", value=stats.held)
@@ -156,3 +182,11 @@ class Collector:
                 tokens.add_metric([project, "prompt"], prompt)
                 tokens.add_metric([project, "completion"], completion)
             yield from (requests, tokens)
+        if stats.admission_wait:
+            waits = HistogramMetricFamily("hpcserve_project_admission_wait_seconds", "How long requests waited in "
+                                          "the data plane's admission for a place (fair share) or for room in the "
+                                          "KV caches, by project ('-': none); only those that waited: "
+                                          "hpcserve_project_requests counts all", labels=["project"])
+            for project, histogram in sorted(stats.admission_wait.items()):
+                waits.add_metric([project], cumulative_buckets(histogram[:-1]), histogram[-1])
+            yield waits
