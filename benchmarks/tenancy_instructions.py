@@ -2,16 +2,19 @@
 ratios of tenancy_overhead.py move by 0.1 between runs of the same code.
 
     .venv/bin/python benchmarks/tenancy_instructions.py [--requests 600] [--clients 8] [--tokens 16]
-        [--poll-every 300] [--modes off,on] [--kinds plain,streamed] [--without PART,...] [--json F]
+        [--poll-every 300] [--modes direct,off,on] [--kinds plain,streamed] [--without PART,...] [--json F]
 
-For each mode (tenancy off / on) and kind (whole answers / streams), one process under
+For each mode (the client straight to the stand-ins / tenancy off / on) and kind (whole answers / streams), one process under
 `valgrind --tool=callgrind --instr-atstart=no` serves --requests requests of --clients clients in flight:
 client (aiohttp), data plane (DataPlane on its client port, as serve() runs it) and two stand-in engines
 (hpcserve.testing.standin, --tokens tokens, no delay) on one uvloop. Instructions are counted only over the
 measured requests (after a warm-up of as many). With tenancy on: a real SQLite store with 100 users' keys (the
 limits of tenancy_overhead.py), and the tenancy thread's work (TenantView.poll: the rows written, the counts
 read) done in line every --poll-every requests (the thread's poll at about the rate of the real benchmark) and
-counted apart. Prints per request: the event loop's instructions, the poll's, and on - off. The same code
+counted apart. "direct" sends the same requests straight to the stand-ins (in turn), without the data plane: off -
+direct is the data plane's own count, the denominator of tenancy_overhead.py's CPU ratio, here deterministic.
+Prints per request: the event loop's instructions, the poll's, on - off, and the data plane's own count off and on
+(plane_off, plane_on = plane_off + on - off) with their ratio (plane_ratio). The same code
 counts within about 0.3 % between runs (string hashes fixed: PYTHONHASHSEED=0).
 --without leaves parts of tenancy out of the "on" mode, to count what each costs (on - on --without P): fair
 (the admission's fair share), limits (TenantView.admit: nothing counted), usage (a whole answer's usage not read),
@@ -111,7 +114,8 @@ async def serve_and_count(args: argparse.Namespace, folder: Path, cg: ctypes.CDL
                 body = {"model": "stub", "prompt": f"{PROMPT} {index} {sent}", "max_tokens": args.tokens,
                         "stream": stream}
                 headers = {"Authorization": f"Bearer {keys[(index * 7919 + sent) % len(keys)]}"}
-                async with session.post(f"{url}/v1/completions", json=body, headers=headers) as answer:
+                target = engines[sent % 2] if args.mode == "direct" else url
+                async with session.post(f"{target}/v1/completions", json=body, headers=headers) as answer:
                     await answer.read()
                     assert answer.status == 200, answer.status
 
@@ -214,7 +218,7 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--poll-every", type=int, default=300)
-    parser.add_argument("--modes", default="off,on")
+    parser.add_argument("--modes", default="direct,off,on")
     parser.add_argument("--kinds", default="plain,streamed")
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     parser.add_argument("--kind", help=argparse.SUPPRESS)
@@ -229,6 +233,10 @@ def main() -> int:
         point = results[kind] = {mode: count(args, mode, kind) for mode in args.modes.split(",")}
         if "on" in point and "off" in point:
             point["on_minus_off"] = point["on"]["loop"] + point["on"]["poll"] - point["off"]["loop"]
+            if "direct" in point:  # the data plane's own count: what the client and stand-ins take left out
+                plane_off = point["off"]["loop"] - point["direct"]["loop"]
+                point["plane_off"], point["plane_on"] = plane_off, plane_off + point["on_minus_off"]
+                point["plane_ratio"] = round(point["plane_on"] / plane_off, 3)
         print(json.dumps({kind: point}), flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

@@ -3,13 +3,16 @@ with them off, side by side in one run (alternating blocks, the order flipped ev
 shared machine hits both).
 
     flock /tmp/hpcserve-heavy.lock .venv/bin/python benchmarks/tenancy_overhead.py [--blocks 6] [--block-s 8]
-        [--users 100] [--clients 64] [--tokens 16] [--json F]
+        [--users 100] [--clients 64] [--rate R] [--stream-rate R] [--tokens 16] [--json F]
 
 Two stand-in engines (hpcserve.testing.standin, --tokens SSE chunks, no delay) behind two data planes of one
 worker each, the same flags but one with --tenancy: a real SQLite store with --users keys (each with a
 requests-per-minute, tokens-per-minute and tokens-per-day limit far above what the run sends, and the
 default caps), the requests spread over the users' keys; the other with the deployment's key alone. Per
-block, a closed loop of --clients requests in flight (aiohttp in this process), non-streamed then streamed:
+block, a closed loop of --clients requests in flight (aiohttp in this process), non-streamed then streamed, or
+with --rate / --stream-rate the same clients paced to that many requests/s together: both modes then serve the
+same load, so that their CPU per request is compared at one load (in a closed loop the faster mode batches more
+requests per turn of its event loop, and the ratio moved by 0.17 between runs of the same code):
 - the data plane's CPU per request (its process's user + system time over the block / requests answered), and
   its event loop's alone (the main thread's; the rest is the tenancy thread's: keys, counts, usage writes);
 - stream chunks per second received by the clients.
@@ -53,8 +56,10 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
     return total, main
 
 
-async def block(url: str, pid: int, keys: list[str], clients: int, stream: bool, tokens: int, seconds: float) -> dict:
-    """A closed loop for `seconds`: requests answered, failures, chunks received, the data plane's CPU."""
+async def block(url: str, pid: int, keys: list[str], clients: int, stream: bool, tokens: int, seconds: float,
+                rate: float = 0.0) -> dict:
+    """A closed loop for `seconds` (rate > 0: each client paced so that all send `rate` requests/s together, or
+    as fast as their answers come if slower): requests answered, failures, chunks received, the data plane's CPU."""
     record = {"requests": 0, "failed": 0, "chunks": 0}
     loop = asyncio.get_running_loop()
     connector = aiohttp.TCPConnector(limit=clients, limit_per_host=0)
@@ -65,7 +70,13 @@ async def block(url: str, pid: int, keys: list[str], clients: int, stream: bool,
 
         async def worker(index: int) -> None:
             count = 0
+            period = clients / rate if rate > 0 else 0.0
+            due = loop.time() + period * index / clients  # staggered: the clients' requests spread evenly
             while loop.time() < deadline:
+                if period:
+                    if due > loop.time():
+                        await asyncio.sleep(due - loop.time())
+                    due += period
                 count += 1
                 key = keys[(index * 7919 + count) % len(keys)]
                 body = {"model": "stub", "prompt": f"{PROMPT} {index} {count}", "max_tokens": tokens,
@@ -107,15 +118,20 @@ def summary(blocks: list[dict], stream: bool) -> dict:
 
 async def measure(targets: dict[str, tuple[str, int, list[str]]], args: argparse.Namespace) -> dict:
     results: dict = {"warm_up_requests_on": 0}
+
+    def rate(stream: bool) -> float:
+        return args.stream_rate if stream else args.rate
+
     for stream in (False, True):
         for mode in MODES:  # warm connections and caches, unmeasured (their usage rows are counted)
-            warm = await block(*targets[mode], args.clients, stream, args.tokens, 1.0)
+            warm = await block(*targets[mode], args.clients, stream, args.tokens, 1.0, rate(stream))
             if mode == "on":
                 results["warm_up_requests_on"] += warm["requests"] + warm["failed"]
         runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
         for index in range(args.blocks):
             for mode in MODES[::-1] if index % 2 else MODES:
-                runs[mode].append(await block(*targets[mode], args.clients, stream, args.tokens, args.block_s))
+                runs[mode].append(await block(*targets[mode], args.clients, stream, args.tokens, args.block_s,
+                                              rate(stream)))
         point = {mode: summary(runs[mode], stream) for mode in MODES}
         point["ratio_cpu_per_request"] = round(point["on"]["cpu_ms_per_request"] / point["off"]["cpu_ms_per_request"], 3)
         if stream:
@@ -131,6 +147,9 @@ def main() -> int:
     parser.add_argument("--block-s", type=float, default=8.0)
     parser.add_argument("--users", type=int, default=100)
     parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--rate", type=float, default=0.0,
+                        help="whole answers: requests/s of all clients together, both modes alike (0: closed loop)")
+    parser.add_argument("--stream-rate", type=float, default=0.0, help="streams: the same")
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--usage-flush-s", type=float, default=1.0,
                         help="the data plane's usage_flush_s (how often its rows are written)")

@@ -5,6 +5,7 @@ asyncio. On real engines through the data plane: tests/endpoint/test_router_vllm
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 from hypothesis import given, settings
@@ -266,7 +267,7 @@ def test_a_heavy_user_keeps_no_places_from_another():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["arrive", "serve", "end", "wait"]), st.integers(0, 5),
+@given(st.lists(st.tuples(st.sampled_from(["arrive", "serve", "go", "end", "wait"]), st.integers(0, 5),
                           st.floats(0.0, 2 * ACTIVE_S)), max_size=60))
 def test_who_is_active_follows_its_definition_whatever_the_order(events):
     """The active users kept as requests come and go are those that sent one within ACTIVE_S or have one in
@@ -284,9 +285,15 @@ def test_who_is_active_follows_its_definition_whatever_the_order(events):
             last[who] = now
         elif action == "serve":
             fair.served(*who)
+        elif action == "go":  # arrived and served at once (Admission's shortcut while there is room)
+            fair.went(*who, now)
+            last[who] = now
         elif fair.running.get(who):
             fair.ended(*who, now)
         active = {w for w, at in last.items() if now - at < ACTIVE_S} | set(fair.running)
+        # expire is never due later than the first entry it has to drop
+        firsts = [at + ACTIVE_S for at in fair.seen.values()][:1] + [until for _, until in fair.kept.values()][:1]
+        assert fair.due <= min(firsts, default=math.inf)
         fair.expire(now)
         assert fair.active == len(active)
         projects = {p for p, _ in active}

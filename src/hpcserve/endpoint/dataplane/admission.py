@@ -132,13 +132,38 @@ class FairShare:
         # soonest to lapse first
         self.kept: OrderedDict[tuple[str, str], tuple[int, float]] = OrderedDict()
         self.kept_most = 0  # the kept places' "most" summed: a bound on those kept free (may_go's shortcut)
+        self.due = math.inf  # expire has nothing to do before this (it may have nothing then either)
 
     def arrived(self, project: str, user: str, now: float) -> None:
         who = (project, user)
-        if who not in self.seen and who not in self.running:
-            self._became_active(project)
-        self.seen[who] = now
-        self.seen.move_to_end(who)
+        seen = self.seen
+        if who not in seen:
+            if not seen and now + ACTIVE_S < self.due:
+                self.due = now + ACTIVE_S
+            if who not in self.running:
+                self._became_active(project)
+        seen[who] = now
+        seen.move_to_end(who)
+
+    def went(self, project: str, user: str, now: float) -> None:
+        """A request that went at once while nothing waited and the pool had room to spare: `arrived` and
+        `served` in one, without the queues' turns (they order only requests that wait)."""
+        who = (project, user)
+        seen, running = self.seen, self.running
+        count = running.get(who, 0)
+        if who not in seen:
+            if not seen and now + ACTIVE_S < self.due:
+                self.due = now + ACTIVE_S
+            if not count:
+                self._became_active(project)
+        seen[who] = now
+        seen.move_to_end(who)
+        running[who] = count + 1
+        if self.kept:
+            held = self.kept.get(who)
+            if held is not None and count + 1 > held[0]:
+                self.kept[who] = (count + 1, held[1])
+                self.kept_most += count + 1 - held[0]
 
     def ended(self, project: str, user: str, now: float | None) -> None:
         """now: None while the pool has room to spare (nothing to keep: the bookkeeping spared)."""
@@ -149,6 +174,7 @@ class FairShare:
             self.kept[who] = (left + 1, now + KEEP_S)
             self.kept.move_to_end(who)
             self.kept_most += left + 1 - (held[0] if held is not None else 0)
+            self.due = min(self.due, now + KEEP_S)
         if left > 0:
             self.running[who] = left
             return
@@ -183,10 +209,13 @@ class FairShare:
         while seen:
             who, at = next(iter(seen.items()))
             if now - at < ACTIVE_S:
-                return
+                break
             del seen[who]
             if who not in self.running:
                 self._became_idle(who[0])
+        # the next time either has an entry to drop (each is oldest first)
+        self.due = min(next(iter(seen.values())) + ACTIVE_S if seen else math.inf,
+                       next(iter(kept.values()))[1] if kept else math.inf)
 
     def _became_active(self, project: str) -> None:
         self.active += 1
@@ -213,9 +242,7 @@ class FairShare:
         keeps it busy between two requests); the rest wait here, where a newcomer can pass them. While
         others are active, requests go only into free places of the running batches: one queued in an
         engine would wait there behind whoever came first."""
-        seen, kept = self.seen, self.kept
-        if ((seen and now - next(iter(seen.values())) >= ACTIVE_S)  # expire's first looks, its call spared
-                or (kept and now >= next(iter(kept.values()))[1])):
+        if now >= self.due:
             self.expire(now)
         if admitted >= slots:
             return False
@@ -345,8 +372,17 @@ class Admission:
         if not priced and slots is None:
             self.grant(ticket, 0)
             return ticket
-        if self.fair is not None:
-            self.fair.arrived(project, user, now)
+        fair = self.fair
+        if fair is not None:
+            if now >= fair.due:
+                fair.expire(now)
+            if not priced and not self.waiting and self.admitted + RESERVE + fair.kept_most < capacity:
+                # room to spare whoever asks (may_go's shortcut): at once, without the turns' bookkeeping
+                fair.went(project, user, now)
+                ticket.cost = 0
+                self.admitted += 1
+                return ticket
+            fair.arrived(project, user, now)
         if not self.waiting and self.may_go(ticket, slots, capacity, now):
             cost = prefill_cost(self.pool, affinity, now)[0] if priced else 0
             if not priced or budget is None or self.admitted == 0 or self.in_flight + cost <= budget:
