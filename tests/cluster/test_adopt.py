@@ -82,6 +82,11 @@ class Load:
             ok, error = False, type(exc).__name__
         self.requests.append(Request(sent, time.time(), ok, error))
 
+    def answered(self, count: int, since: float = 0.0, timeout_s: float = 60) -> None:
+        """Waits until `count` requests sent at or after `since` (wall clock) are answered, well or not."""
+        wait_until(lambda: sum(1 for r in list(self.requests) if r.sent >= since) >= count, timeout_s,
+                   f"{count} answers to the load")
+
     def stop(self) -> list[Request]:
         self.stopped.set()
         self.thread.join()
@@ -134,7 +139,7 @@ def test_endpoint_survives_its_login_node(slurm_env, tmp_path):
         assert len(before) == 2, status["members"]
         (lost_member, (_, lost_node, _)), (kept, (_, kept_node, _)) = sorted(before.items())
         load = Load(url, os.environ["HPCSERVE_API_KEY"])
-        time.sleep(5)
+        load.answered(6)
 
         # 1. The controller is killed: the data plane holds; status tells it as it is.
         state = state_of(run_dir)
@@ -165,7 +170,7 @@ def test_endpoint_survives_its_login_node(slurm_env, tmp_path):
         done = run_cli("adopt", NAME, timeout=600)
         assert done.returncode == 0, done.stdout + done.stderr
         back = wait_router_back(url, killed)
-        time.sleep(10)
+        load.answered(20, since=back)  # the router back: what clients send now is answered
         requests = load.stop()
 
         failed = [r for r in requests if not r.ok]
@@ -205,12 +210,12 @@ def test_endpoint_survives_its_login_node(slurm_env, tmp_path):
         # 4. The next node loss is handled as before: out of the pool within 5 s, no request lost, a
         # replacement launched (its join was seen above).
         load = Load(url, os.environ["HPCSERVE_API_KEY"])
-        time.sleep(5)
+        load.answered(6)
         lost = time.time()
         sandbox.kill_node(kept_node)
         leave = wait_until(lambda: [d for d in decisions_since(NAME, lost) if d["action"] == "leave"], 30, "leave")[0]
         assert leave["time"] - lost <= 5.0, leave
-        time.sleep(10)
+        load.answered(20, since=leave["time"])  # the rest of the pool serves what is sent after the leave
         requests = load.stop()
         assert all(r.ok for r in requests), [(r.sent - lost, r.error) for r in requests if not r.ok][:8]
         wait_until(lambda: [d for d in decisions_since(NAME, lost) if d["action"] == "launch replacement"
@@ -240,7 +245,7 @@ def test_endpoint_survives_its_login_node(slurm_env, tmp_path):
         assert (seen["status"], seen["up"], seen["total"]) == ("ready", 2, 2), (seen["status"], seen["lost"])
         victim, (_, node, pid) = sorted(replicas_now(NAME).items())[0]
         load = Load(url, os.environ["HPCSERVE_API_KEY"])
-        time.sleep(3)
+        load.answered(6)
         crashed = time.time()
         subprocess.run([*sandbox.node_exec_argv(node), "kill", "-9", str(pid)], check=True, timeout=10)
         leave = wait_until(lambda: [d for d in decisions_since(NAME, crashed) if d["action"] == "leave"], 30, "leave")[0]

@@ -294,11 +294,12 @@ def test_spread_drain_kill_and_add(router, engines):
     before = {url: _served(url) for url in (url_a, url_b)}
     stop_event = threading.Event()
     threads, result = run_load(router.url, MODEL, stop_event, workers=4, max_tokens=8)
-    time.sleep(8)
-    stop_event.set()
-    [t.join(120) for t in threads]
+    try:
+        _wait(lambda: all(_served(url) > before[url] + 2 for url in (url_a, url_b)), 60)  # both take a share
+    finally:
+        stop_event.set()
+        [t.join(120) for t in threads]
     assert not result.failed
-    assert all(_served(url) > before[url] for url in (url_a, url_b))
 
     # drain: a long stream on b; b leaves the pool and hands it over: it goes on on a at once (the data plane
     # says so), whole, its greedy text that of an uninterrupted run, and nothing new reaches b.
