@@ -11,7 +11,8 @@ Two vLLM CPU engines (the builtin tiny model, one core each, --max-num-seqs, the
 plane). --b-rate 0: B sends a tenth of A's request rate alone, measured for CALIBRATE_S through the first come
 first served data plane first (which also warms the engines). For each mode, three phases of --phase-s: B
 alone (an open loop at --b-rate requests/s), A alone (a closed loop of --a-in-flight streams), both. Each request is a streamed completion of --tokens tokens
-(ignore_eos). Reported per phase: B's time to first token (p50, p90), and the pool's throughput (completion
+(ignore_eos); with --vary-tokens V each request's length is drawn uniformly within +-V of it (same mean): requests
+of one length that start together end together, so that a full pool frees its places in waves. Reported per phase: B's time to first token (p50, p90), and the pool's throughput (completion
 tokens/s of both users, counted from the usage chunk), and the engines' occupancy: their running requests
 (vLLM's /metrics, read every OCCUPANCY_EVERY_S) over --max-num-seqs, on average. The figures the issue asks
 for: B's TTFT p50 with A over B's alone (target <= 1.25) and the pool's throughput with B over A alone's
@@ -121,17 +122,22 @@ async def phase(target: Target, users: str, args: argparse.Namespace) -> dict:
         started = time.perf_counter()
         tasks = []
 
+        def length(rng: random.Random) -> int:
+            """A request's output tokens: --tokens, or with --vary-tokens V uniform within +-V of it."""
+            spread = int(args.tokens * args.vary_tokens)
+            return args.tokens + rng.randint(-spread, spread) if spread else args.tokens
+
         async def a_worker(worker: int) -> None:
-            count = 0
+            count, rng = 0, random.Random(worker)
             while loop.time() < deadline:
                 count += 1
-                await stream(session, url, keys["A"], args.tokens, worker * 100000 + count, records["A"])
+                await stream(session, url, keys["A"], length(rng), worker * 100000 + count, records["A"])
 
         async def b_arrivals() -> None:
             count, rng = 0, random.Random(7)
             while loop.time() < deadline:
                 count += 1
-                tasks.append(asyncio.create_task(stream(session, url, keys["B"], args.tokens, count, records["B"])))
+                tasks.append(asyncio.create_task(stream(session, url, keys["B"], length(rng), count, records["B"])))
                 await asyncio.sleep(rng.expovariate(args.b_rate))
 
         work = ([a_worker(i) for i in range(args.a_in_flight)] if "A" in users else []) + \
@@ -218,6 +224,8 @@ def main() -> int:
     parser.add_argument("--a-in-flight", type=int, default=24)
     parser.add_argument("--b-rate", type=float, default=0.0, help="B's requests/s; 0: a tenth of A's, measured")
     parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--vary-tokens", type=float, default=0.0,
+                        help="each request's output tokens uniform within +- this fraction of --tokens (0: all alike)")
     parser.add_argument("--max-num-seqs", type=int, default=4)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--standin-token-ms", type=float, default=0.0,

@@ -2,7 +2,7 @@
 benchmarks/tenancy_fair_share.py's phases and modes, with B's rate set from A's.
 
     PYTHONPATH=src:benchmarks:benchmarks/gpu python3 fair_share_device.py --urls URL1,URL2 --max-num-seqs S
-        [--a-in-flight 64] [--tokens 128] [--phase-s 35] [--b-rate 0] [--workers 1] [--ready-s 300]
+        [--a-in-flight 64] [--tokens 128] [--vary-tokens 0] [--phase-s 35] [--b-rate 0] [--workers 1] [--ready-s 300]
         [--logs DIR] [--json F]
 
 The engines must serve the model name tenancy_fair_share.py's requests ask for ("tiny") and take no key.
@@ -73,6 +73,7 @@ def main() -> int:
     parser.add_argument("--max-num-seqs", type=int, required=True, help="the engines' (the data planes' capacity)")
     parser.add_argument("--a-in-flight", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--vary-tokens", type=float, default=0.0, help="as tenancy_fair_share.py's")
     parser.add_argument("--phase-s", type=float, default=35.0)
     parser.add_argument("--b-rate", type=float, default=0.0, help="B's requests/s; 0: a tenth of A's, measured")
     parser.add_argument("--workers", type=int, default=1, help="data-plane workers")

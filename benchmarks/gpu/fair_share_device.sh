@@ -17,7 +17,8 @@
 # Results under $OUT: summary.txt (the log and the figures), fair_share.json (the whole result),
 # raw_run.tar.gz (replica and data-plane logs).
 # Knobs: FS_MAX_NUM_SEQS (16: each replica's batch; the pool holds 2 x it), FS_A_IN_FLIGHT (4 x
-# FS_MAX_NUM_SEQS: A's streams, twice the pool), FS_TOKENS (128 output tokens a request), FS_PHASE_S (35),
+# FS_MAX_NUM_SEQS: A's streams, twice the pool), FS_TOKENS (128 output tokens a request), FS_VARY_TOKENS (0: all
+# alike; 0.5: each request's length uniform within +-50 % of FS_TOKENS), FS_PHASE_S (35),
 # FS_B_RATE (0: a tenth of A's request rate alone, measured in a 10 s calibration before the modes),
 # FS_KV_BYTES (4 GiB of KV cache a replica), FS_ENGINE_ARGS (--enforce-eager), FS_WORKERS (1: data-plane
 # workers), FS_DIR (/tmp/fairshare: state), BENCH_SRC (the src folder of the data plane; default this
@@ -53,7 +54,7 @@ phase_run() {
   log "replicas started (max-num-seqs $S, ${BENCH_REPLICA_EXTRA}); fair_share_device.py waits for them"
   PYTHONPATH=$SRC:$FHERE/..:$FHERE timeout $(( $(left) - 15 )) $PY "$FHERE/fair_share_device.py" \
     --urls http://127.0.0.1:8013,http://127.0.0.1:8014 --max-num-seqs "$S" --a-in-flight "${FS_A_IN_FLIGHT:-$((4 * S))}" \
-    --tokens "${FS_TOKENS:-128}" --phase-s "${FS_PHASE_S:-35}" --b-rate "${FS_B_RATE:-0}" --workers "${FS_WORKERS:-1}" \
+    --tokens "${FS_TOKENS:-128}" --vary-tokens "${FS_VARY_TOKENS:-0}" --phase-s "${FS_PHASE_S:-35}" --b-rate "${FS_B_RATE:-0}" --workers "${FS_WORKERS:-1}" \
     --ready-s $(( $(left) - need > 30 ? $(left) - need : 30 )) --logs "$RAW" --json "$OUT/fair_share.json" 2> "$RAW/fair_share.err" | tee -a "$SUM"
   rc=${PIPESTATUS[0]}
   [ "$rc" = 0 ] || { log "fair_share_device.py failed (rc $rc)"; tail -20 "$RAW/fair_share.err" | tee -a "$SUM"
