@@ -135,35 +135,33 @@ class FairShare:
         self.due = math.inf  # expire has nothing to do before this (it may have nothing then either)
 
     def arrived(self, project: str, user: str, now: float) -> None:
-        who = (project, user)
-        seen = self.seen
-        if who not in seen:
-            if not seen and now + ACTIVE_S < self.due:
-                self.due = now + ACTIVE_S
-            if who not in self.running:
-                self._became_active(project)
-        seen[who] = now
-        seen.move_to_end(who)
+        self._saw((project, user), now)
 
     def went(self, project: str, user: str, now: float) -> None:
         """A request that went at once while nothing waited and the pool had room to spare: `arrived` and
         `served` in one, without the queues' turns (they order only requests that wait)."""
         who = (project, user)
-        seen, running = self.seen, self.running
-        count = running.get(who, 0)
+        self._saw(who, now)
+        self._took(who)
+
+    def _saw(self, who: tuple[str, str], now: float) -> None:
+        """A request of this user now: active from here on."""
+        seen = self.seen
         if who not in seen:
             if not seen and now + ACTIVE_S < self.due:
                 self.due = now + ACTIVE_S
-            if not count:
-                self._became_active(project)
+            if who not in self.running:
+                self._became_active(who[0])
         seen[who] = now
         seen.move_to_end(who)
-        running[who] = count + 1
-        if self.kept:
-            held = self.kept.get(who)
-            if held is not None and count + 1 > held[0]:
-                self.kept[who] = (count + 1, held[1])
-                self.kept_most += count + 1 - held[0]
+
+    def _took(self, who: tuple[str, str]) -> None:
+        """One more of this user's requests in flight (and in the places kept for it, if more than it had)."""
+        running = self.running[who] = self.running.get(who, 0) + 1
+        held = self.kept.get(who)
+        if held is not None and running > held[0]:  # more than it kept: the most in flight moves up
+            self.kept[who] = (running, held[1])
+            self.kept_most += running - held[0]
 
     def ended(self, project: str, user: str, now: float | None) -> None:
         """now: None while the pool has room to spare (nothing to keep: the bookkeeping spared)."""
@@ -189,11 +187,7 @@ class FairShare:
         who = (project, user)
         if who not in self.running and who not in self.seen:
             self._became_active(project)
-        running = self.running[who] = self.running.get(who, 0) + 1
-        held = self.kept.get(who)
-        if held is not None and running > held[0]:  # more than it kept: the most in flight moves up
-            self.kept[who] = (running, held[1])
-            self.kept_most += running - held[0]
+        self._took(who)
 
     def expire(self, now: float) -> None:
         """Users whose last request is older than ACTIVE_S and who have none in flight are no longer active;
