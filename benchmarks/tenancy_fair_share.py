@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 from router import KEY, start_engines, start_stubs
 from tenancy_bench import finish, workspace
 
@@ -52,6 +53,7 @@ MODES = ("fair", "fcfs")
 CALIBRATE_S = 10.0
 B_SHARE = 0.1  # --b-rate 0: B sends a tenth of A's request rate alone (the issue's "A sends 10x B's rate")
 B_PROJECT = "pb"
+WAITS = "hpcserve_project_admission_wait_seconds"
 OCCUPANCY_EVERY_S = 0.25  # /metrics reads per engine: each costs its API server a few ms of a shared core
 
 
@@ -98,14 +100,11 @@ class Target(NamedTuple):
 
 def project_waits(metrics: str, project: str) -> tuple[float, float]:
     """(requests that waited in admission, seconds waited in all) of a project, from the data plane's /metrics."""
-    count = total = 0.0
-    for line in metrics.splitlines():
-        if f'project="{project}"' in line:
-            if line.startswith("hpcserve_project_admission_wait_seconds_count"):
-                count = float(line.split()[-1])
-            elif line.startswith("hpcserve_project_admission_wait_seconds_sum"):
-                total = float(line.split()[-1])
-    return count, total
+    for family in text_string_to_metric_families(metrics):
+        if family.name == WAITS:
+            got = {s.name: s.value for s in family.samples if s.labels.get("project") == project}
+            return got.get(WAITS + "_count", 0.0), got.get(WAITS + "_sum", 0.0)
+    return 0.0, 0.0
 
 
 async def phase(target: Target, users: str, args: argparse.Namespace) -> dict:

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 from helpers import free_port
+from prometheus_client.parser import text_string_to_metric_families
 from router_fixtures import KEY, key_file, start_stubs, stop
 
 from hpcserve.endpoint.control.plane_client import Router
@@ -231,8 +232,9 @@ def test_fair_share_holds_a_lone_users_excess_and_starts_a_newcomer_in_a_free_pl
             assert light < 0.9, light  # the first batch's end (0.5 s), not the heavy queue's (~2 s)
             assert max(f.result() for f in heavy) > 1.5  # the heavy user's queue did wait
         # /metrics tells who waited in the data plane: the heavy user's excess, the light user's one request
-        counts = {line.split('"')[1]: float(line.split()[-1]) for line in router.metrics().splitlines()
-                  if line.startswith("hpcserve_project_admission_wait_seconds_count{")}
+        counts = {sample.labels["project"]: sample.value for family in text_string_to_metric_families(router.metrics())
+                  if family.name == "hpcserve_project_admission_wait_seconds"
+                  for sample in family.samples if sample.name.endswith("_count")}
         assert counts == {"batch": 10, "chat": 1}
     finally:
         router.stop()

@@ -26,7 +26,7 @@ import time
 
 from aiohttp import web
 
-from hpcserve.endpoint.dataplane.metrics import Collector, Stats, merge_waits
+from hpcserve.endpoint.dataplane.metrics import Collector, Stats, merge_counts
 from hpcserve.endpoint.dataplane.rooms import Room
 from hpcserve.endpoint.dataplane.server import metrics_response, owner_only
 from hpcserve.endpoint.protocol import (
@@ -107,7 +107,7 @@ class Admin:
         plane.stats.admission_waiting = sum(len(room.admission.waiting) for room in rooms)
         plane.stats.admission_wait = {}
         for room in rooms:
-            merge_waits(plane.stats.admission_wait, room.admission.waited)
+            merge_counts(plane.stats.admission_wait, room.admission.waited)
         plane.stats.streams_open = len(plane.streams)
         feeds = [room for room in rooms if room.feeds is not None]
         if feeds:

@@ -78,10 +78,8 @@ class Stats:
             for code, count in part.get("codes", {}).items():
                 total.codes[int(code)] = total.codes.get(int(code), 0) + count
             total.buckets = [a + b for a, b in zip(total.buckets, part.get("buckets", []))] or total.buckets
-            for project, counts in part.get("projects", {}).items():
-                known = total.projects.setdefault(project, [0, 0, 0])
-                total.projects[project] = [a + b for a, b in zip(known, counts)]
-            merge_waits(total.admission_wait, part.get("admission_wait", {}))
+            merge_counts(total.projects, part.get("projects", {}))
+            merge_counts(total.admission_wait, part.get("admission_wait", {}))
             for item in fields(cls):
                 if item.name not in ("codes", "buckets", "projects", "admission_wait"):
                     setattr(total, item.name, getattr(total, item.name) + part.get(item.name, 0))
@@ -98,11 +96,11 @@ def observe(histogram: list[float], seconds: float) -> None:
     histogram[-1] += seconds
 
 
-def merge_waits(into: dict[str, list[float]], part: dict[str, list[float]]) -> None:
-    """Adds per-project wait histograms (wait_histogram's shape) into `into`."""
-    for project, histogram in part.items():
+def merge_counts(into: dict, part: dict) -> None:
+    """Adds per-project lists of counts (Stats.projects' or wait_histogram's) into `into`, element by element."""
+    for project, counts in part.items():
         known = into.get(project)
-        into[project] = list(histogram) if known is None else [a + b for a, b in zip(known, histogram)]
+        into[project] = list(counts) if known is None else [a + b for a, b in zip(known, counts)]
 
 
 def cumulative_buckets(counts: list) -> list[tuple[str, float]]:
