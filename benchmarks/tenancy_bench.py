@@ -34,10 +34,11 @@ class Workspace:
         path.chmod(0o600)
         return path
 
-    def tenancy(self, database: Path, flush_s: float = 1.0, limits: Limits = Limits()) -> Path:
-        """The data plane's --tenancy file for a store at `database`."""
-        path = self.folder / "tenancy.json"
-        path.write_text(json.dumps(TenancySettings(str(database), limits, flush_s).to_json()))
+    def tenancy(self, database: Path, flush_s: float = 1.0, limits: Limits = Limits(), pause: bool = True,
+                name: str = "tenancy") -> Path:
+        """The data plane's --tenancy file (NAME.json) for a store at `database`."""
+        path = self.folder / f"{name}.json"
+        path.write_text(json.dumps(TenancySettings(str(database), limits, flush_s, pause_streams=pause).to_json()))
         return path
 
 

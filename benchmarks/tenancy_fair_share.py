@@ -19,7 +19,9 @@ for: B's TTFT p50 with A over B's alone (target <= 1.25) and the pool's throughp
 (target >= 0.97). On two shared cores the engines' speed moves between phases by more than that; the
 occupancy ratio (A and B over A alone) says whether places were left empty, whatever the speed. With fair
 share, how long B's requests waited in the data plane for a place (its /metrics, hpcserve_project_admission_wait_
-seconds of B's project): what of B's TTFT is the admission's, the rest is the engines' (and, here, the shared cores').
+seconds of B's project): what of B's TTFT is the admission's, the rest is the engines' (and, here, the shared cores');
+and how many of A's streams paused for B (hpcserve_router_stream_pauses). --modes fair,nopause,fcfs adds fair
+share without those pauses (tenancy.pause_streams off) to the comparison.
 --standin-token-ms: stand-ins (hpcserve.testing.standin) instead of vLLM, each --max-num-seqs places served
 first come first served, a request's first token after --standin-first-ms and then one every MS: a pool
 shaped like the GPU's (whose throughput follows the places in use), on which the admission's choices show
@@ -49,11 +51,12 @@ from hpcserve.engine.metrics import engine_load
 from hpcserve.tenancy.keyring import add_key
 from hpcserve.tenancy.store import open_store
 
-MODES = ("fair", "fcfs")
+MODES = ("fair", "nopause", "fcfs")  # fair share; the same without pausing A's streams; first come first served
 CALIBRATE_S = 10.0
 B_SHARE = 0.1  # --b-rate 0: B sends a tenth of A's request rate alone (the issue's "A sends 10x B's rate")
 B_PROJECT = "pb"
 WAITS = "hpcserve_project_admission_wait_seconds"
+PAUSES = "hpcserve_router_stream_pauses"
 OCCUPANCY_EVERY_S = 0.25  # /metrics reads per engine: each costs its API server a few ms of a shared core
 
 
@@ -98,13 +101,17 @@ class Target(NamedTuple):
     metrics: Callable[[], str] | None = None
 
 
-def project_waits(metrics: str, project: str) -> tuple[float, float]:
-    """(requests that waited in admission, seconds waited in all) of a project, from the data plane's /metrics."""
+def project_waits(metrics: str, project: str) -> tuple[float, float, float]:
+    """(requests that waited in admission, seconds waited in all) of a project, and the streams paused for
+    others (all projects'), from the data plane's /metrics."""
+    waits, pauses = (0.0, 0.0), 0.0
     for family in text_string_to_metric_families(metrics):
         if family.name == WAITS:
             got = {s.name: s.value for s in family.samples if s.labels.get("project") == project}
-            return got.get(WAITS + "_count", 0.0), got.get(WAITS + "_sum", 0.0)
-    return 0.0, 0.0
+            waits = got.get(WAITS + "_count", 0.0), got.get(WAITS + "_sum", 0.0)
+        elif family.name == PAUSES:
+            pauses = family.samples[0].value
+    return (*waits, pauses)
 
 
 async def phase(target: Target, users: str, args: argparse.Namespace) -> dict:
@@ -151,10 +158,12 @@ async def phase(target: Target, users: str, args: argparse.Namespace) -> dict:
            "tokens_per_s": round((records["A"]["tokens"] + records["B"]["tokens"]) / wall, 1),
            "occupancy": round(sum(running) / len(running) / args.max_num_seqs, 3) if running else None}
     if waits_before is not None and target.metrics is not None and b:
-        count, total = project_waits(await asyncio.to_thread(target.metrics), B_PROJECT)
-        # B's requests that waited for a place, and the mean wait over all of B's (beside b_ttft_mean_s)
+        count, total, pauses = project_waits(await asyncio.to_thread(target.metrics), B_PROJECT)
+        # B's requests that waited for a place, and the mean wait over all of B's (beside b_ttft_mean_s); A's
+        # streams that paused for B
         got["b_waited"] = int(count - waits_before[0])
         got["b_wait_mean_s"] = round((total - waits_before[1]) / len(b), 4)
+        got["pauses"] = int(pauses - waits_before[2])
     return got
 
 
@@ -167,7 +176,7 @@ async def calibrate(target: Target, args: argparse.Namespace) -> float:
 
 async def run(targets: dict[str, Target], args: argparse.Namespace) -> dict:
     results = {}
-    for mode in MODES:
+    for mode in targets:
         target = targets[mode]
         await phase(target, "A", argparse.Namespace(**{**vars(args), "phase_s": 5}))  # warm, unmeasured
         point = {name: await phase(target, users, args) for name, users in
@@ -194,7 +203,7 @@ def run_calibrated(targets: dict[str, Target], args: argparse.Namespace, min_b_r
 
 
 def mode_targets(here, urls: list[str], capacity: int, model: str = "tiny",
-                 workers: int = 1) -> dict[str, Target]:
+                 workers: int = 1, modes: tuple[str, ...] = ("fair", "fcfs")) -> dict[str, Target]:
     """One data plane per mode over the engines (each told its capacity): fair share with A's and B's own keys
     (projects of equal shares), first come first served with the deployment's key for both."""
     key_file = here.key_file(KEY)
@@ -202,19 +211,27 @@ def mode_targets(here, urls: list[str], capacity: int, model: str = "tiny",
     store = open_store(database)
     keys = {"A": add_key(store, "a", project="pa")[0], "B": add_key(store, "b", project=B_PROJECT)[0]}
     store.close()
-    settings = here.tenancy(database)
+    settings = {"fair": here.tenancy(database), "nopause": here.tenancy(database, pause=False, name="nopause")}
     targets = {}
-    for mode in MODES:
+    for mode in modes:
         router = Router("127.0.0.1", free_port(), key_file, here.folder / f"plane-{mode}.log", model=model,
                         admin_socket=here.folder / mode / "admin.sock", workers=workers,
-                        options=["--tenancy", str(settings)] if mode == "fair" else [])
+                        options=["--tenancy", str(settings[mode])] if mode in settings else [])
         here.routers.append(router)
         router.start([])
         for url in urls:
             router.add(url, capacity=capacity)
-        targets[mode] = (Target(router.url, keys, router.metrics) if mode == "fair"
+        targets[mode] = (Target(router.url, keys, router.metrics) if mode in settings
                          else Target(router.url, {"A": KEY, "B": KEY}))
     return targets
+
+
+def modes(text: str) -> tuple[str, ...]:
+    chosen = tuple(m.strip() for m in text.split(",") if m.strip())
+    unknown = [m for m in chosen if m not in MODES]
+    if unknown or "fcfs" not in chosen:  # run_calibrated calibrates B's rate through fcfs
+        raise SystemExit(f"--modes: {text!r}: choose among {', '.join(MODES)}, fcfs included")
+    return chosen
 
 
 def main() -> int:
@@ -230,6 +247,7 @@ def main() -> int:
     parser.add_argument("--standin-token-ms", type=float, default=0.0,
                         help="stand-ins instead of vLLM (see above)")
     parser.add_argument("--standin-first-ms", type=float, default=40.0)
+    parser.add_argument("--modes", default="fair,fcfs", help=f"comma-separated, run in this order, of {MODES}")
     args = parser.parse_args()
     with workspace("hpcserve-fair-bench-") as here:
         if args.standin_token_ms:
@@ -243,7 +261,7 @@ def main() -> int:
             engines, urls = start_engines(here.folder, extra=("--max-num-seqs", str(args.max_num_seqs),
                                                               "--enforce-eager"))
         here.processes += engines
-        targets = mode_targets(here, urls, args.max_num_seqs)
+        targets = mode_targets(here, urls, args.max_num_seqs, modes=modes(args.modes))
         args.engines = urls
         finish(run_calibrated(targets, args, min_b_rate=0.02), args)
     return 0

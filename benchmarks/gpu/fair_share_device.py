@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from tenancy_bench import finish, workspace
-from tenancy_fair_share import mode_targets, run_calibrated
+from tenancy_fair_share import MODES, mode_targets, modes, run_calibrated
 
 from hpcserve.engine.client import completion_probe
 
@@ -52,9 +52,10 @@ def wait_engines(urls: list[str], ready_s: float) -> float:
 
 def verdict(results: dict) -> list[str]:
     lines = [("| mode | B alone TTFT p50 s | A and B: B TTFT p50 s | B ratio (<= 1.25) | A alone tok/s | A and B tok/s "
-              "| throughput ratio (>= 0.97) | failed | A and B: B's mean TTFT s, of it waited in admission |"),
-             "|---|---|---|---|---|---|---|---|---|"]
-    for mode in ("fair", "fcfs"):
+              "| throughput ratio (>= 0.97) | failed | A and B: B's mean TTFT s, of it waited in admission "
+              "| A's streams paused for B |"),
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for mode in MODES:
         p = results.get(mode)
         if not p:
             continue
@@ -63,7 +64,8 @@ def verdict(results: dict) -> list[str]:
                      f"{p['b_ttft_ratio']} {'met' if p['b_ttft_ratio'] <= TARGET_B_TTFT else 'NOT met'} | "
                      f"{p['A alone']['tokens_per_s']} | {p['A and B']['tokens_per_s']} | {p['throughput_ratio']} "
                      f"{'met' if p['throughput_ratio'] >= TARGET_THROUGHPUT else 'NOT met'} | {failed} | "
-                     f"{p['A and B']['b_ttft_mean_s']}, {p['A and B'].get('b_wait_mean_s', '-')} |")
+                     f"{p['A and B']['b_ttft_mean_s']}, {p['A and B'].get('b_wait_mean_s', '-')} | "
+                     f"{p['A and B'].get('pauses', '-')} |")
     return lines
 
 
@@ -77,6 +79,7 @@ def main() -> int:
     parser.add_argument("--phase-s", type=float, default=35.0)
     parser.add_argument("--b-rate", type=float, default=0.0, help="B's requests/s; 0: a tenth of A's, measured")
     parser.add_argument("--workers", type=int, default=1, help="data-plane workers")
+    parser.add_argument("--modes", default="fair,fcfs", help="as tenancy_fair_share.py's")
     parser.add_argument("--ready-s", type=float, default=300.0)
     parser.add_argument("--logs", type=Path)
     parser.add_argument("--json", type=Path)
@@ -86,7 +89,7 @@ def main() -> int:
     print(f"engines ready after {wait_engines(urls, args.ready_s)} s of waiting", flush=True)
     with workspace("hpcserve-fair-gpu-") as here:
         try:
-            targets = mode_targets(here, urls, args.max_num_seqs, MODEL, args.workers)
+            targets = mode_targets(here, urls, args.max_num_seqs, MODEL, args.workers, modes(args.modes))
             results = run_calibrated(targets, args, min_b_rate=0.05)
             print("\n".join(verdict(results)), flush=True)
             finish(results, args)

@@ -20,6 +20,7 @@
 # FS_MAX_NUM_SEQS: A's streams, twice the pool), FS_TOKENS (128 output tokens a request), FS_VARY_TOKENS (0: all
 # alike; 0.5: each request's length uniform within +-50 % of FS_TOKENS), FS_PHASE_S (35),
 # FS_B_RATE (0: a tenth of A's request rate alone, measured in a 10 s calibration before the modes),
+# FS_MODES (fair,fcfs; fair,nopause,fcfs adds fair share without pausing A's streams for B),
 # FS_KV_BYTES (4 GiB of KV cache a replica), FS_ENGINE_ARGS (--enforce-eager), FS_WORKERS (1: data-plane
 # workers), FS_DIR (/tmp/fairshare: state), BENCH_SRC (the src folder of the data plane; default this
 # checkout's), FS_VLLM (a `vllm` stand-in for a CPU dry run, as routing_device.sh's ROUTING_VLLM, with
@@ -48,13 +49,14 @@ phase_run() {
   hps_check; [ $HPS_OK = 1 ] || return 1
   # what the measurements take once the replicas serve: calibration, then per mode a warm-up and three
   # phases, each with its streams' tail (~5 s); the rest of the budget is the replicas' start
-  need=$(( 30 + 2 * (10 + 3 * (${FS_PHASE_S:-35} + 5)) ))
+  modes=${FS_MODES:-fair,fcfs}
+  need=$(( 30 + $(tr , '\n' <<< "$modes" | wc -l) * (10 + 3 * (${FS_PHASE_S:-35} + 5)) ))
   t0=$(now)
   replica 3 8013; replica 4 8014
   log "replicas started (max-num-seqs $S, ${BENCH_REPLICA_EXTRA}); fair_share_device.py waits for them"
   PYTHONPATH=$SRC:$FHERE/..:$FHERE timeout $(( $(left) - 15 )) $PY "$FHERE/fair_share_device.py" \
     --urls http://127.0.0.1:8013,http://127.0.0.1:8014 --max-num-seqs "$S" --a-in-flight "${FS_A_IN_FLIGHT:-$((4 * S))}" \
-    --tokens "${FS_TOKENS:-128}" --vary-tokens "${FS_VARY_TOKENS:-0}" --phase-s "${FS_PHASE_S:-35}" --b-rate "${FS_B_RATE:-0}" --workers "${FS_WORKERS:-1}" \
+    --tokens "${FS_TOKENS:-128}" --vary-tokens "${FS_VARY_TOKENS:-0}" --phase-s "${FS_PHASE_S:-35}" --b-rate "${FS_B_RATE:-0}" --workers "${FS_WORKERS:-1}" --modes "$modes" \
     --ready-s $(( $(left) - need > 30 ? $(left) - need : 30 )) --logs "$RAW" --json "$OUT/fair_share.json" 2> "$RAW/fair_share.err" | tee -a "$SUM"
   rc=${PIPESTATUS[0]}
   [ "$rc" = 0 ] || { log "fair_share_device.py failed (rc $rc)"; tail -20 "$RAW/fair_share.err" | tee -a "$SUM"

@@ -266,6 +266,88 @@ def test_a_heavy_user_keeps_no_places_from_another():
     assert fair.may_go("h2", "h2", admitted=6, capacity=8, slots=10, now=0.7)  # h1's freed place: not kept
 
 
+def test_pause_whom_is_the_user_furthest_above_their_share_and_only_for_one_below_theirs():
+    fair = FairShare({"big": 3.0})
+    for project, user in (("big", "b1"), ("small", "s1"), ("small", "s2")):
+        fair.arrived(project, user, 0.0)
+    for _ in range(5):
+        fair.served("small", "s1")  # its share: 8 x 1/4 / 2 = 1
+    for _ in range(3):
+        fair.served("big", "b1")  # its share: 8 x 3/4 = 6
+    everyone = [("big", "b1"), ("small", "s1"), ("small", "s2")]
+    assert fair.pause_whom(("small", "s2"), 8, everyone) == ("small", "s1")  # 4 above; b1 is below
+    assert fair.pause_whom(("small", "s1"), 8, everyone) is None  # above its own share: it waits its turn
+    assert fair.pause_whom(("small", "s2"), 8, [("big", "b1")]) is None  # b1 has no stream to spare
+    fair.served("small", "s2")
+    assert fair.pause_whom(("small", "s2"), 8, everyone) is None  # at its share: no pause for it
+
+
+async def settle() -> None:
+    """Until the tasks woken now have run (a granted wait resumes its task one turn of the loop later)."""
+    for _ in range(3):
+        await asyncio.sleep(0)
+
+
+def test_a_stream_above_its_share_pauses_for_a_light_user_and_resumes_first_among_its_users():
+    async def scenario():
+        table = RoutingTable()
+        table.update([BackendSpec(A, capacity=2)])
+        admission = Admission(table, 0.0, fair=FairShare({}))
+        asked = []
+
+        def pausable(ticket: Ticket, answer: bool):
+            admission.may_pause(ticket, lambda: asked.append(ticket) or answer)
+
+        heavy = [await admission.enter(None, "p-heavy", "heavy") for _ in range(2)]
+        pausable(heavy[0], answer=True)
+        pausable(heavy[1], answer=False)  # the newest, asked first, cannot (its end is on its way)
+        light = asyncio.ensure_future(admission.enter(None, "p-light", "light"))
+        await settle()
+        assert asked == [heavy[1], heavy[0]] and admission.pausing == 1 and not light.done()
+        queued = asyncio.ensure_future(admission.enter(None, "p-heavy", "heavy"))  # shared now: it waits
+        resumed = asyncio.ensure_future(admission.resume(heavy[0]))  # the stream closed: its place goes
+        await settle()
+        assert light.done() and not resumed.done() and admission.pausing == 0
+        assert admission.waiting[0] is heavy[0] and heavy[0].out  # before the heavy user's queued one
+        second_light = asyncio.ensure_future(admission.enter(None, "p-light", "light"))
+        await settle()
+        assert len(asked) == 2 and not second_light.done()  # light is at its share now: nothing pauses
+        admission.leave(heavy[1])
+        await settle()
+        assert resumed.done() and not heavy[0].out  # the paused stream first, before the queued request
+        assert not queued.done() and not second_light.done()
+        admission.leave(light.result())
+        await settle()
+        assert second_light.done() and not queued.done()
+        assert admission.pauses == 1 and admission.admitted == 2
+        queued.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_a_paused_streams_client_that_leaves_while_it_waits_gives_nothing_back_twice():
+    async def scenario():
+        table = RoutingTable()
+        table.update([BackendSpec(A, capacity=1)])
+        admission = Admission(table, 0.0, fair=FairShare({}))
+        paused = await admission.enter(None, "p-heavy", "heavy")
+        admission.may_pause(paused, lambda: True)
+        light = asyncio.ensure_future(admission.enter(None, "p-light", "light"))
+        await settle()
+        resumed = asyncio.ensure_future(admission.resume(paused))
+        await settle()
+        assert light.done() and admission.admitted == 1
+        resumed.cancel()  # the heavy user's client left while its stream waited for a place
+        with pytest.raises(asyncio.CancelledError):
+            await resumed
+        admission.leave(paused)  # the turn's end: nothing, the place went back at the pause
+        assert admission.admitted == 1 and not admission.waiting
+        admission.leave(light.result())
+        assert admission.admitted == 0
+
+    asyncio.run(scenario())
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["arrive", "serve", "go", "end", "wait"]), st.integers(0, 5),
                           st.floats(0.0, 2 * ACTIVE_S)), max_size=60))

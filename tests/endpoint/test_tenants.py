@@ -5,6 +5,7 @@ of a stand-in engine that demands the deployment's own key: a user's key must ne
 from __future__ import annotations
 
 import json
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -196,8 +197,9 @@ def test_on_postgresql_keys_revocation_and_usage_work_alike(tmp_path, postgres_u
 def test_fair_share_holds_a_lone_users_excess_and_starts_a_newcomer_in_a_free_place(tmp_path):
     """Two stand-ins that run 2 requests each and queue the rest (--max-num-seqs 2), 0.5 s a request. A
     user alone gets the pool's places (2 + 1 per engine): the excess waits in the data plane, where the
-    controller counts it; a second user's request then starts in the first free place of an engine's
-    batch, long before the first user's queue drains."""
+    controller counts it. A second user's request then starts at once, long before the first user's queue
+    drains: three of the first user's streams pause (two places for the requests queued in the engines, one
+    for the newcomer) and continue later."""
     settings = tmp_path / "tenancy.json"
     database = str(tmp_path / "tenancy.sqlite")
     settings.write_text(json.dumps(TenancySettings(database, Limits(), FLUSH_S).to_json()))
@@ -229,16 +231,81 @@ def test_fair_share_holds_a_lone_users_excess_and_starts_a_newcomer_in_a_free_pl
             wait_until(lambda: router.backends_json()["waiting"] == 10, 5, "the lone user's excess to wait")
             assert sum(b["in_flight"] for b in router.backends_json()["backends"]) == 6  # 2 + 1 per engine
             light = pool.submit(first_byte_s, client, light_key).result()
-            assert light < 0.9, light  # the first batch's end (0.5 s), not the heavy queue's (~2 s)
+            assert light < 0.3, light  # at once: not at the first batch's end (0.5 s), nor the queue's (~2 s)
             assert max(f.result() for f in heavy) > 1.5  # the heavy user's queue did wait
-        # /metrics tells who waited in the data plane: the heavy user's excess, the light user's one request
-        counts = {sample.labels["project"]: sample.value for family in text_string_to_metric_families(router.metrics())
-                  if family.name == "hpcserve_project_admission_wait_seconds"
-                  for sample in family.samples if sample.name.endswith("_count")}
-        assert counts == {"batch": 10, "chat": 1}
+        # /metrics tells who waited in the data plane: the heavy user's excess and its three paused streams,
+        # the light user's one request (for as long as the pauses took)
+        families = {family.name: family for family in text_string_to_metric_families(router.metrics())}
+        counts = {sample.labels["project"]: sample.value
+                  for sample in families["hpcserve_project_admission_wait_seconds"].samples
+                  if sample.name.endswith("_count")}
+        assert counts == {"batch": 13, "chat": 1}
+        assert families["hpcserve_router_stream_pauses"].samples[0].value == 3
     finally:
         router.stop()
         router.close()
         store.close()
         for proc, _ in stubs:
             stop(proc)
+
+
+def test_a_heavy_users_stream_pauses_for_a_light_user_and_then_continues_whole(tmp_path):
+    """One stand-in of 2 places (--max-num-seqs 2), 50 ms a token. The heavy user's two long streams take both
+    places, so the light user's request would wait for one of them to end (2 s). One of the heavy streams
+    pauses instead: the light request starts at once, and the paused stream continues when a place frees.
+    Its client gets every token once, in one stream, and its usage row counts each token once."""
+    settings = tmp_path / "tenancy.json"
+    database = str(tmp_path / "tenancy.sqlite")
+    settings.write_text(json.dumps(TenancySettings(database, Limits(), FLUSH_S).to_json()))
+    (stub, url), = start_stubs(["a"], tmp_path, token_delay_ms=50, slots=[2])
+    router = Router("127.0.0.1", free_port(), key_file(tmp_path), tmp_path / "plane.log", model="stub",
+                    admin_socket=tmp_path / "plane" / "admin.sock", options=["--tenancy", str(settings)])
+    store = open_store(database)
+    heavy_key, _ = add_key(store, "heavy", project="batch")
+    light_key, _ = add_key(store, "light", project="chat")
+    started = threading.Semaphore(0)
+
+    def stream(key: str, tokens: int) -> tuple[float, str, dict]:
+        """(seconds to the first byte, the text, the usage) of one streamed completion."""
+        body = {"model": "stub", "prompt": "hello", "max_tokens": tokens, "stream": True,
+                "stream_options": {"include_usage": True}}
+        sent, first, text, usage = time.monotonic(), None, "", {}
+        with httpx.Client(timeout=30, trust_env=False) as client, client.stream(
+                "POST", f"{router.url}/v1/completions", json=body,
+                headers={"Authorization": f"Bearer {key}"}) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                if first is None:
+                    first = time.monotonic()
+                    started.release()
+                event = json.loads(line[len("data: "):])
+                text += "".join(choice.get("text") or "" for choice in event["choices"])
+                usage = event.get("usage") or usage
+        return (first or time.monotonic()) - sent, text, usage
+
+    try:
+        router.start([])
+        router.add(url, capacity=2)
+        since = time.time()
+        with ThreadPoolExecutor(3) as pool:
+            heavy = [pool.submit(stream, heavy_key, 40) for _ in range(2)]
+            for _ in heavy:
+                assert started.acquire(timeout=10), "the heavy user's streams to begin"
+            light_first, light_text, _ = pool.submit(stream, light_key, 4).result()
+            assert light_first < 0.5, light_first  # at once, not after a heavy stream's end (2 s)
+            for answer in heavy:
+                _, text, usage = answer.result()
+                assert text == "x" * 40 and usage["completion_tokens"] == 40, (text, usage)
+        assert light_text == "xxxx"
+        assert [(family.name, family.samples[0].value) for family in text_string_to_metric_families(router.metrics())
+                if family.name == "hpcserve_router_stream_pauses"] == [("hpcserve_router_stream_pauses", 1.0)]
+        wait_until(lambda: len(store.rows(since)) == 3, 10, "the three usage rows")
+        assert sorted((r.user, r.completion_tokens, r.migrated) for r in store.rows(since)) == [
+            ("heavy", 40, False), ("heavy", 40, False), ("light", 4, False)]
+    finally:
+        router.stop()
+        router.close()
+        store.close()
+        stop(stub)

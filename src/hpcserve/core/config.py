@@ -416,6 +416,10 @@ class TenancySpec(Strict):
     shares: dict[str, float] = Field(default_factory=dict, description="fair-share weights of projects (as Slurm's "
                                      "fair-share weights accounts): while requests wait for a full pool, a project "
                                      "of weight 2 gets twice the turns of one of weight 1; others weigh 1")
+    pause_streams: bool = Field(True, description="while a user below their fair share would wait for a place, "
+                                "one stream of the user furthest above theirs pauses and continues from its tokens "
+                                "when a place frees (its client sees one stream, only slower); off: the request "
+                                "waits for one of theirs to end")
     usage_flush_s: float = Field(1.0, gt=0, le=60, description="seconds between the data plane's batched writes "
                                  "of usage rows: what a killed data-plane worker can lose at most")
     self_service: SelfServiceSpec = Field(SelfServiceSpec(), description="keys that cluster users get themselves")

@@ -20,21 +20,24 @@ class TenancySettings:
     limits: Limits = Limits()
     usage_flush_s: float = 1.0
     shares: dict[str, float] = field(default_factory=dict)
+    pause_streams: bool = True
 
     @classmethod
     def from_config(cls, cfg: DeploymentConfig, results: Path) -> TenancySettings:
         spec = cfg.tenancy
-        return cls(database_url(cfg, results), limits_of(spec.limits), spec.usage_flush_s, dict(spec.shares))
+        return cls(database_url(cfg, results), limits_of(spec.limits), spec.usage_flush_s, dict(spec.shares),
+                   spec.pause_streams)
 
     @classmethod
     def read(cls, path: Path) -> TenancySettings:
         data = json.loads(path.read_text())
         return cls(data["database"], Limits(**data.get("limits") or {}), float(data.get("usage_flush_s", 1.0)),
-                   {str(k): float(v) for k, v in (data.get("shares") or {}).items()})
+                   {str(k): float(v) for k, v in (data.get("shares") or {}).items()},
+                   bool(data.get("pause_streams", True)))
 
     def to_json(self) -> dict:
         return {"database": self.database, "limits": self.limits.__dict__, "usage_flush_s": self.usage_flush_s,
-                "shares": self.shares}
+                "shares": self.shares, "pause_streams": self.pause_streams}
 
 
 def database_url(cfg: DeploymentConfig, results: Path) -> str:

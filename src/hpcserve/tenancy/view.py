@@ -205,9 +205,12 @@ class TenantView:
     before), and a remembered key's expiry is checked at every request."""
 
     def __init__(self, open_store: Callable[[], Store], owner_key: str | None, base_limits: Limits,
-                 flush_s: float = 1.0, poll_s: float = POLL_S, shares: dict[str, float] | None = None):
-        """shares: projects' fair-share weights (the data plane's admission reads them)."""
+                 flush_s: float = 1.0, poll_s: float = POLL_S, shares: dict[str, float] | None = None,
+                 pause_streams: bool = True):
+        """shares: projects' fair-share weights; pause_streams: streams of users above their share pause for
+        users below (the data plane's admission reads both)."""
         self.open_store, self.base_limits, self.shares = open_store, base_limits, dict(shares or {})
+        self.pause_streams = pause_streams
         self.owner = KeyCheck(owner_key) if owner_key else None
         self.owner_tenant = Tenant(OWNER_KEY_ID, OWNER, None, base_limits, rated=False, capped=capped(base_limits))
         self.flush_s, self.poll_s = flush_s, poll_s

@@ -105,6 +105,7 @@ class Admin:
         plane.stats.index_blocks = sum(room.pool.index.entries() for room in rooms)
         plane.stats.admission_waits = sum(room.admission.waits for room in rooms)
         plane.stats.admission_waiting = sum(len(room.admission.waiting) for room in rooms)
+        plane.stats.stream_pauses = sum(room.admission.pauses for room in rooms)
         plane.stats.admission_wait = {}
         for room in rooms:
             merge_counts(plane.stats.admission_wait, room.admission.waited)

@@ -36,6 +36,15 @@ places for a newcomer and the places users below their share freed in the last K
 user's next request starts at once in a place of their own instead of waiting for one of the batch job's to
 end. (Requests of one length admitted together end together: a batch job's places free in waves, seconds
 apart, and a light user who had to wait for the next wave waited half of one request's time at the median.)
+
+Where a user below their share must wait all the same (every place of the running batches taken), one stream
+of the user furthest above theirs pauses (tenancy.pause_streams): the data plane closes it at its engine,
+which frees the place at once, and the waiting request takes it. The paused stream waits here, first among
+its user's requests, and continues from its token ids when a place frees, on the replica whose prefix cache
+still holds them where it has room (a continuation, as after a replica's failure: streams.py); its client
+sees one unbroken stream, only slower. A stream pauses at most once; only streamed requests that can continue
+elsewhere pause (migration.why_not). Where requests wait in the engines' queues (a user who was alone took the
+extra place per engine), as many more streams pause: an engine gives the first place freed to its queue.
 """
 
 from __future__ import annotations
@@ -44,7 +53,7 @@ import asyncio
 import math
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from itertools import islice
@@ -79,6 +88,7 @@ class Ticket:
     granted: asyncio.Future | None = field(default=None, repr=False)
     project: str = ""
     user: str = ""
+    out: bool = False  # its stream paused: the place given back while it waits for another (Admission.resume)
 
 
 class FairQueue:
@@ -119,8 +129,9 @@ class FairShare:
     with the active users per project and the projects' summed weights: `may_go` costs the same with ten
     users or ten thousand."""
 
-    def __init__(self, shares: dict[str, float]):
-        self.shares = shares
+    def __init__(self, shares: dict[str, float], pauses: bool = True):
+        """pauses: a user above their share pauses a stream for a user below theirs who would wait."""
+        self.shares, self.pauses = shares, pauses
         self.projects = FairQueue(shares)
         self.users: dict[str, FairQueue] = {}
         self.running: dict[tuple[str, str], int] = {}  # requests in flight per (project, user)
@@ -265,6 +276,19 @@ class FairShare:
                 total += max(0, min(most, math.ceil(self.share_of(other[0], capacity))) - self.running.get(other, 0))
         return total
 
+    def pause_whom(self, who: tuple[str, str], capacity: int, pausable: Iterable[tuple[str, str]]) -> tuple[str, str] | None:
+        """Whose stream pauses so that this user's waiting request starts now: where it is below its share,
+        the user among `pausable` furthest above theirs and still at or above it with one stream fewer;
+        None where nobody's should. Pure apart from expire."""
+        if self.running.get(who, 0) >= self.share_of(who[0], capacity):
+            return None
+        chosen, most = None, 1.0
+        for other in pausable:
+            over = self.running.get(other, 0) - self.share_of(other[0], capacity)
+            if over >= most and other != who:
+                chosen, most = other, over
+        return chosen
+
     def _users_of(self, project: str) -> FairQueue:
         users = self.users.get(project)
         if users is None:
@@ -316,6 +340,10 @@ class Admission:
         self.waiting: deque[Ticket] = deque()
         self.waits = 0  # requests that waited (a counter)
         self.waited: dict[str, list[float]] = {}  # per project ('-': none), how long (metrics.wait_histogram)
+        # per user, their streams under way that could pause (each one's pause), oldest first
+        self.pausable: dict[tuple[str, str], dict[Ticket, Callable[[], bool]]] = {}
+        self.pausing = 0  # streams asked to pause whose places are not given back yet
+        self.pauses = 0  # streams paused (a counter)
         # budget, slots and capacity of the pool's replicas as they were last summed: the pool replaces its
         # list of active replicas (and their sizes) whenever it changes, so they are summed once per change
         self._sized: tuple[list | None, int | None, int | None, int] = (None, None, None, 1)
@@ -387,20 +415,91 @@ class Admission:
         self.admit()  # a prefix held somewhere may go before those waiting
         if ticket.granted.done():
             return ticket
+        if self.pausable:
+            # requests queued in engines (a user alone had the extra places) take the first places freed
+            self.pause_for(ticket, capacity, 1 + max(0, self.admitted - self.pausing - capacity))
+        await self.wait(ticket, now)
+        return ticket
+
+    async def wait(self, ticket: Ticket, since: float, leaves: bool = True) -> None:
+        """Until the queued ticket is granted; how long is observed for its project. leaves: a cancelled
+        wait gives back what was granted meanwhile (else the caller's turn does)."""
+        assert ticket.granted is not None, "only a queued ticket waits"
         self.waits += 1
         try:
             await ticket.granted
         except asyncio.CancelledError:  # the client left: its place goes, or what it was granted
             if ticket.granted.done() and not ticket.granted.cancelled():
-                self.leave(ticket)
+                if leaves:
+                    self.leave(ticket)
             elif ticket in self.waiting:
                 self.waiting.remove(ticket)
             raise
-        histogram = self.waited.get(project or "-")
+        project = ticket.project or "-"
+        histogram = self.waited.get(project)
         if histogram is None:
-            histogram = self.waited[project or "-"] = wait_histogram()
-        observe(histogram, time.monotonic() - now)
-        return ticket
+            histogram = self.waited[project] = wait_histogram()
+        observe(histogram, time.monotonic() - since)
+
+    def may_pause(self, ticket: Ticket, pause: Callable[[], bool]) -> None:
+        """A stream under way that could pause for a user below their share: pause() closes it at its engine
+        and says True, or says False where it cannot (then it is not asked again)."""
+        if self.fair is not None and self.fair.pauses:
+            who = (ticket.project, ticket.user)
+            streams = self.pausable.get(who)
+            if streams is None:
+                streams = self.pausable[who] = {}
+            streams[ticket] = pause
+
+    def cannot_pause(self, ticket: Ticket) -> None:
+        """The stream ended, or paused: no longer one to ask."""
+        who = (ticket.project, ticket.user)
+        streams = self.pausable.get(who)
+        if streams is not None and streams.pop(ticket, None) is not None and not streams:
+            del self.pausable[who]
+
+    def pause_for(self, ticket: Ticket, capacity: int, count: int) -> None:
+        """The waiting ticket's user is below their share: `count` streams of the users furthest above
+        theirs pause, the newest that can (the last place freed then goes to the ticket, in admit)."""
+        assert self.fair is not None, "streams are pausable only with fair share (may_pause)"
+        while count > 0:
+            whom = self.fair.pause_whom((ticket.project, ticket.user), capacity, self.pausable)
+            if whom is None:
+                return
+            streams = self.pausable[whom]
+            while streams:
+                _, pause = streams.popitem()  # the newest first: the least to prefill again
+                if pause():
+                    self.pausing += 1
+                    self.pauses += 1
+                    count -= 1
+                    break
+            if not streams:
+                del self.pausable[whom]
+
+    async def resume(self, ticket: Ticket) -> None:
+        """A paused stream gives its place back (to whom it paused for) and waits for another, first among
+        its user's requests; returns once it has one."""
+        self.pausing -= 1
+        self.leave(ticket)
+        ticket.out = True
+        now = time.monotonic()
+        if self.fair is not None:
+            if now >= self.fair.due:
+                self.fair.expire(now)
+            self.fair.arrived(ticket.project, ticket.user, now)
+        ticket.granted = asyncio.get_running_loop().create_future()
+        self.waiting.appendleft(ticket)
+        self.admit()
+        try:
+            if not ticket.granted.done():
+                await self.wait(ticket, now, leaves=False)
+        finally:  # granted: held again (the turn's end leaves it); cancelled while it waited: held by nobody
+            ticket.out = not (ticket.granted.done() and not ticket.granted.cancelled())
+
+    def paused_ended(self) -> None:
+        """A stream asked to pause ended instead (its last event was on its way): nothing to give back."""
+        self.pausing -= 1
 
     def grant(self, ticket: Ticket, cost: int) -> None:
         if ticket.granted is not None:
@@ -415,6 +514,8 @@ class Admission:
 
     def leave(self, ticket: Ticket) -> None:
         """The request ended (answered, failed, or its client left)."""
+        if ticket.out:  # a paused stream's client left while it waited: its place was given back already
+            return
         self.in_flight -= ticket.cost
         self.admitted -= 1
         if self.fair is not None:  # places are kept only where the pool was full (beyond its reserve)

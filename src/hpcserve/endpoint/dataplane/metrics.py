@@ -24,7 +24,9 @@ COUNTERS = (("holds", "Requests held while no backend could take them"),
             ("kv_events", "KV-cache events received from the engines (each worker follows every engine)"),
             ("kv_event_gaps", "Breaks in an engine's KV events (batches lost): that replica's exact index began again"),
             ("admission_waits", ("Requests that waited while prompts in flight took the replicas' KV caches "
-             "(endpoint/dataplane/admission.py)")))
+             "(endpoint/dataplane/admission.py)")),
+            ("stream_pauses", ("Streams of a user above their fair share paused for a user below theirs "
+             "(continued when a place freed)")))
 NAMES = {"malformed": "malformed_requests"}
 
 
@@ -49,6 +51,7 @@ class Stats:
     kv_feeds_live: int = 0
     admission_waits: int = 0  # set when read, from the admission (admission.py)
     admission_waiting: int = 0
+    stream_pauses: int = 0  # set when read, from the admission
     streams_open: int = 0  # set when read: streams under way that may move (streams.py)
     projects: dict[str, list[int]] = field(default_factory=dict)  # with tenants: [requests, prompt, completion]
     # set when read, from the admission: per project, the requests that waited there (wait_histogram)

@@ -61,7 +61,7 @@ from hpcserve.core.logs import configure_process_logging
 from hpcserve.core.statuses import Routing
 from hpcserve.endpoint.dataplane import wire
 from hpcserve.endpoint.dataplane.admin import admin_app
-from hpcserve.endpoint.dataplane.admission import FairShare
+from hpcserve.endpoint.dataplane.admission import FairShare, Ticket
 from hpcserve.endpoint.dataplane.metrics import CLIENT_CLOSED, Stats
 from hpcserve.endpoint.dataplane.migration import Request as Migratable
 from hpcserve.endpoint.dataplane.migration import prepare
@@ -139,7 +139,8 @@ class DataPlane:
 
     def fair_share(self) -> FairShare | None:
         """A model's own fair share (its replicas' places are shared among the users of that model alone)."""
-        return FairShare(self.tenants.shares) if self.tenants is not None else None
+        tenants = self.tenants
+        return FairShare(tenants.shares, tenants.pause_streams) if tenants is not None else None
 
     async def open(self) -> None:
         connector = aiohttp.TCPConnector(limit=self.settings.max_connections, limit_per_host=0,
@@ -264,8 +265,8 @@ class DataPlane:
             prepared = prepare(target, body, data)
             body, migratable = prepared.body, prepared.request
         project, user = (tenant.project or "-", tenant.key_id) if tenant is not None else ("", "")
-        async with room.admission.turn(affinity, project, user):
-            return await self.forward(request, room, target, body, headers, affinity, migratable)
+        async with room.admission.turn(affinity, project, user) as ticket:
+            return await self.forward(request, room, target, body, headers, affinity, migratable, ticket)
 
     def admit_tenant(self, request: web.BaseRequest, tenant: Tenant, target: str, body: bytes | None,
                      data: dict | None) -> tuple[bytes | None, dict | None]:
@@ -310,7 +311,7 @@ class DataPlane:
 
     async def forward(self, request: web.BaseRequest, room: Room, target: str, body: bytes | None,
                       headers: dict[str, str], affinity: Affinity | None,
-                      migratable: Migratable | None = None) -> web.StreamResponse:
+                      migratable: Migratable | None = None, ticket: Ticket | None = None) -> web.StreamResponse:
         tried: tuple[Backend, ...] = ()
         hold_until = None
         resent = 0
@@ -330,7 +331,7 @@ class DataPlane:
             backend.requests += 1
             lease = Lease(backend)  # a stream that moves takes it along
             try:
-                return await self.relay(request, room, lease, target, body, headers, migratable)
+                return await self.relay(request, room, lease, target, body, headers, migratable, ticket)
             except AttemptFailed as failed:
                 decision = wire.after_failure(failed.failure, len(tried), self.settings.tries, resent,
                                               self.settings.resends)
@@ -382,7 +383,8 @@ class DataPlane:
             room.held -= 1
 
     async def relay(self, request: web.BaseRequest, room: Room, lease: Lease, target: str, body: bytes | None,
-                    headers: dict[str, str], migratable: Migratable | None = None) -> web.StreamResponse:
+                    headers: dict[str, str], migratable: Migratable | None = None,
+                    ticket: Ticket | None = None) -> web.StreamResponse:
         """One attempt. AttemptFailed while nothing has gone to the client; after that a stream that may
         migrate continues elsewhere (streams.Stream), and an error otherwise ends the client's connection
         (it sees the response cut: an engine that died mid-stream). Whatever ends the
@@ -422,7 +424,7 @@ class DataPlane:
             if waiting is None:
                 request[RelayedStream.KEY] = response
                 await response.prepare(request)
-            stream = Stream(self, room, response, lease, migratable, headers)
+            stream = Stream(self, room, response, lease, migratable, headers, ticket)
             try:
                 await stream.run(upstream, first)
             finally:

@@ -15,6 +15,10 @@ the client no half event. What caused a migration:
                seconds or ever); one that cannot move finishes where it is. With no other replica
                serving, it waits for the next to join, as a held request does (successor.py), and
                continues there; past the wait the client gets an SSE error event, not a cut
+    paused     fair share: its user is above their share and one below must otherwise wait for a place
+               (admission.py); the stream gives its place back, waits in the admission, and continues
+               (on the same replica where it has room: its prefix cache holds the tokens) when it gets
+               another; not counted or listed as a migration (Admission.pauses is)
 The continuation goes to the replica routing.choose picks among those not yet tried for this request, at
 most settings.migrations times; every migration, and every stream that could not be migrated, is counted
 (/metrics) and listed on the admin socket (GET /migrations: the controller writes them into its decisions).
@@ -25,12 +29,14 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import logging
 import time
 from dataclasses import dataclass
 
 import aiohttp
 
 from hpcserve.endpoint.dataplane import successor
+from hpcserve.endpoint.dataplane.admission import Ticket
 from hpcserve.endpoint.dataplane.continuation import Continuation, detokenize_body, ending, start
 from hpcserve.endpoint.dataplane.migration import CannotMigrate, Record, Request, why_not
 from hpcserve.endpoint.dataplane.routing import choose
@@ -48,6 +54,8 @@ from hpcserve.endpoint.dataplane.sse import (
 from hpcserve.endpoint.protocol import Migration
 
 DETOKENIZE_TIMEOUT_S = 10.0
+
+log = logging.getLogger(__name__)
 
 
 class StreamFailed(Exception):
@@ -80,10 +88,12 @@ class Lease:
 class Stream:
     """One streamed answer whose request may migrate (migration.prepare gave it a Request)."""
 
-    def __init__(self, plane, room, response, lease: Lease, request: Request, headers: dict[str, str]):
+    def __init__(self, plane, room, response, lease: Lease, request: Request, headers: dict[str, str],
+                 ticket: Ticket | None = None):
         """plane: the dataplane.DataPlane (its session, settings, stats); room: the model's rooms.Room (its
         pool, policy and migration log: a stream continues only on a replica of the same model); lease: the
-        backend the request counts against, moved with the stream (the caller releases it at the end)."""
+        backend the request counts against, moved with the stream (the caller releases it at the end);
+        ticket: its place in the room's admission, where fair share may ask it to pause."""
         self.plane, self.room, self.response, self.lease, self.backend = plane, room, response, lease, lease.backend
         self.request, self.headers = request, headers
         self.events, self.record = EventSplitter(), Record(request.kind)
@@ -98,11 +108,17 @@ class Stream:
         self.upstream: aiohttp.ClientResponse | None = None  # the engine's response being read; None while moving
         self.leaving = False  # handed over at once: the upstream was closed under the read
         self.wait_limit_s, self.wait_source = 0.0, ""  # a wait for a successor replica: its limit, what set it
+        self.ticket = ticket
+        self.pausing = False  # asked to pause (pause): the upstream was closed under the read
+        self.paused = False  # paused once: not asked again
 
     async def run(self, upstream: aiohttp.ClientResponse, chunk: bytes) -> None:
         """Until the client has the whole answer. ConnectionError: cut (the client sees its stream end
         early, as without migration). Whatever ends it early closes the engine's connection (vLLM aborts)."""
         self.plane.streams.add(self)
+        admission = self.room.admission
+        if self.ticket is not None:
+            admission.may_pause(self.ticket, self.pause)
         try:
             while True:
                 try:
@@ -113,8 +129,8 @@ class Stream:
                     upstream.close()
                     self.upstream = None
                     failed = exc
-                    if self.leaving:  # the read ended because hand_over_now closed it: not a failure
-                        failed, self.leaving = StreamFailed("handover"), False
+                    if self.leaving:  # the read ended because hand_over_now or pause closed it: not a failure
+                        failed, self.leaving = StreamFailed("paused" if self.pausing else "handover"), False
                     moved = await self.migrate(failed)
                     if moved is None:
                         return
@@ -124,6 +140,10 @@ class Stream:
                     raise ConnectionError(f"the continuation on {self.backend.url} was cut: {exc.reason}") from exc
         finally:
             self.plane.streams.discard(self)
+            if self.ticket is not None:
+                admission.cannot_pause(self.ticket)
+                if self.pausing:  # asked to pause as its end came: no place to give back
+                    admission.paused_ended()
             upstream.close()  # released already when it ended whole; closed (engine aborts) otherwise
 
     async def pass_on(self, upstream: aiohttp.ClientResponse, chunk: bytes) -> None:
@@ -183,6 +203,18 @@ class Stream:
             self.leaving = True
             self.upstream.close()
 
+    def pause(self) -> bool:
+        """Asked by the admission (fair share): give the place to a user below their share now and continue
+        once another frees (the read ends, run() sees why). False where it cannot: not under way, moving,
+        ending, paused once already, or not continuable (migration.why_not, its count of migrations aside)."""
+        if self.upstream is None or self.leaving or self.done or self.paused or self.stays:
+            return False
+        if why_not(self.request, self.current_progress(), 0, 1) is not None:
+            return False
+        self.leaving = self.pausing = self.paused = True
+        self.upstream.close()
+        return True
+
     def check_handover(self) -> None:
         """The replica is drained (seen at a chunk): move now if the stream can, else let it finish there."""
         if self.may_leave():
@@ -219,22 +251,38 @@ class Stream:
             source.failures += 1
         progress = self.current_progress()
         self.progress = progress
+        paused = failed.cause == "paused"
+        if paused:
+            self.pausing = False
+            if progress.finished or self.done:  # its end had come with the last chunk read
+                self.room.admission.paused_ended()
+                if self.done:
+                    return None
+            else:
+                assert self.ticket is not None, "only a stream with a ticket is asked to pause"
+                self.lease.release(self.room.pool)  # its place goes to whom it paused for: routed there
+                await self.room.admission.resume(self.ticket)
         if progress.finished:
             await self.response.write(ending(self.request, progress))
             return None
-        reason = why_not(self.request, progress, self.migrations, self.plane.settings.migrations)
+        reason = (why_not(self.request, progress, 0, 1) if paused
+                  else why_not(self.request, progress, self.migrations, self.plane.settings.migrations))
         waited = False
         while reason is None:
-            target = choose(self.room.pool, self.room.policy, None, time.monotonic(), tuple(self.tried))
-            if (target is None or target in self.tried) and failed.cause == "handover" and not waited:
-                waited = True  # its replica must go and none other serves: wait for the next (successor.py)
+            # a paused stream goes back where its prefix is cached while that replica has room; a
+            # continuation that fails goes elsewhere, as after a failure
+            resuming, paused = paused, False
+            target = (self.resume_on(source) if resuming
+                      else choose(self.room.pool, self.room.policy, None, time.monotonic(), tuple(self.tried)))
+            if target is None or target in self.tried and not resuming:
+                if failed.cause not in ("handover", "paused") or waited:
+                    reason = "no other replica can take it"
+                    break
+                waited = True  # it must leave its replica and none other serves: wait for the next (successor.py)
                 target = await self.wait_for_successor(failed.cause)
                 if target is None:
                     await self.gave_up()
                     return None
-            if target is None or target in self.tried:
-                reason = "no other replica can take it"
-                break
             self.tried.append(target)
             try:
                 return await self.continue_on(target, progress, failed.cause, source)
@@ -250,6 +298,15 @@ class Stream:
             return None
         self.plane.stats.broken_streams += 1
         raise ConnectionError(f"the stream from {source.url} ended ({failed}); not continued elsewhere: {reason}")
+
+    def resume_on(self, source: Backend) -> Backend | None:
+        """Where a paused stream continues: its replica while it serves and has a free place, else the
+        policy's choice."""
+        pool, now = self.room.pool, time.monotonic()
+        if (source in pool.active and source.failed_until <= now and not source.saturated
+                and source.in_flight < source.capacity):
+            return source
+        return choose(pool, self.room.policy, None, now)
 
     async def wait_for_successor(self, cause: str) -> Backend | None:
         """A replica of the room that was not tried, once one joins within the limit (successor.wait_limit);
@@ -324,6 +381,10 @@ class Stream:
         self.progress, self.continuation, self.backend = attempt, continuation, target
         self.lease.move(self.room.pool, target)
         self.events = EventSplitter()
+        if cause == "paused":  # counted by the admission; a migration's record would list every pause
+            log.debug("a paused %s stream continues on %s after %d token(s)", self.request.kind.value, target.url,
+                      len(progress.ids))
+            return upstream, first
         self.migrations += 1
         self.plane.stats.migrations += 1
         self.plane.log_migration(self.room, Migration(time.time(), cause, source.url, target.url, self.request.kind.value,

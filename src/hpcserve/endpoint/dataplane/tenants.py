@@ -38,7 +38,7 @@ _new_row = tuple.__new__
 
 def tenant_view(settings: TenancySettings, owner_key: str | None) -> TenantView:
     return TenantView(lambda: open_store(settings.database), owner_key, settings.limits, settings.usage_flush_s,
-                      shares=settings.shares)
+                      shares=settings.shares, pause_streams=settings.pause_streams)
 
 
 @dataclass(slots=True)
