@@ -8,7 +8,7 @@ import asyncio
 import math
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from hpcserve.endpoint.dataplane.admission import ACTIVE_S, AGE_S, KEEP_S, Admission, FairQueue, FairShare, Ticket, next_admitted
@@ -383,3 +383,79 @@ def test_who_is_active_follows_its_definition_whatever_the_order(events):
         assert fair.active_users == {p: sum(1 for q, _ in active if q == p) for p in projects}
         assert fair.kept_most == sum(most for most, _ in fair.kept.values())
         assert all(until > now for _, until in fair.kept.values())  # expire dropped the lapsed
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["enter", "stream", "end", "resume", "cancel", "settle"]), st.integers(0, 7)),
+                max_size=60))
+# a paused stream's client leaves while the stream waits for a place; another's leaves as its place comes
+@example([("enter", 0), ("enter", 0), ("settle", 0), ("stream", 0), ("stream", 1), ("enter", 1), ("settle", 0),
+          ("resume", 0), ("settle", 0), ("cancel", 0), ("settle", 0)])
+@example([("enter", 0), ("enter", 0), ("settle", 0), ("stream", 0), ("enter", 1), ("settle", 0), ("resume", 0),
+          ("settle", 0), ("end", 0), ("cancel", 0), ("settle", 0)])
+def test_places_pauses_and_cancellations_keep_the_counts_whatever_the_order(events):
+    """Requests of three users enter, their streams become pausable, pause for others, resume, end, or
+    their clients leave (while waiting, paused, in flight, or granted a place but not yet told): once the
+    loop has run, the admission's counts always equal what is held, asked and waiting, and never more than
+    the places are in flight."""
+
+    async def scenario():
+        table = RoutingTable()
+        table.update([BackendSpec(A, capacity=2)])
+        admission = Admission(table, 0.0, fair=FairShare({}))
+        entering: list[asyncio.Task] = []  # enter() under way (waiting, or granted)
+        held: list[Ticket] = []  # admitted, in flight
+        asked: list[Ticket] = []  # paused, not yet resumed
+        resuming: dict[asyncio.Task, Ticket] = {}
+
+        def pause_of(ticket: Ticket):
+            def pause() -> bool:
+                asked.append(ticket)
+                held.remove(ticket)
+                return True
+            return pause
+
+        for action, index in [*events, ("settle", 0)]:
+            if action == "enter":
+                user = ("heavy", "light", "other")[index % 3]
+                entering.append(asyncio.ensure_future(admission.enter(None, "p-" + user, user)))
+            elif action == "stream" and held:
+                ticket = held[index % len(held)]
+                admission.may_pause(ticket, pause_of(ticket))
+            elif action == "end" and held:
+                ticket = held.pop(index % len(held))
+                admission.cannot_pause(ticket)
+                admission.leave(ticket)
+            elif action == "resume" and asked:
+                ticket = asked.pop(index % len(asked))
+                resuming[asyncio.ensure_future(admission.resume(ticket))] = ticket
+            elif action == "cancel":  # a paused stream's client first, where one waits
+                pending = [t for t in resuming if not t.done()] + [t for t in entering if not t.done()]
+                if pending:
+                    pending[index % min(2, len(pending))].cancel()
+            elif action == "settle":
+                settled = False
+                while not settled:  # a cancelled pause's turn ends (leave), which may grant another
+                    await settle()
+                    settled = True
+                    for task in [t for t in entering if t.done()]:
+                        entering.remove(task)
+                        if not task.cancelled():
+                            held.append(task.result())
+                    for task in [t for t in resuming if t.done()]:
+                        ticket = resuming.pop(task)
+                        if task.cancelled():
+                            admission.leave(ticket)  # the turn's end: nothing to give back
+                            settled = False
+                        else:
+                            held.append(ticket)
+                assert admission.admitted == len(held) + len(asked)
+                assert admission.pausing == len(asked)
+                assert len(admission.waiting) == len(entering) + len(resuming)
+                assert all(not t.out for t in held) and all(t.out for t in resuming.values())
+                assert admission.admitted <= admission.sizes()[1]  # never more than the places (slots)
+        for task in entering + list(resuming):
+            task.cancel()
+        await settle()
+
+    asyncio.run(scenario())

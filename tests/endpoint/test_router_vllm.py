@@ -5,6 +5,7 @@ Run under the heavy lock: flock /tmp/hpcserve-heavy.lock .venv/bin/python -m pyt
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -26,6 +27,10 @@ from hpcserve.endpoint.control.plane_client import Router
 from hpcserve.engine.args import KEY_GUARD, KV_EVENTS_RELAY
 from hpcserve.engine.client import completion_probe, kv_cache_size
 from hpcserve.engine.kv_events import HEARTBEAT_SEQ, RELAY_PATH, FrameReader, decode_batch
+from hpcserve.tenancy.keyring import add_key
+from hpcserve.tenancy.records import Limits
+from hpcserve.tenancy.settings import TenancySettings
+from hpcserve.tenancy.store import open_store
 from hpcserve.testing.harness import wait_until
 
 pytestmark = pytest.mark.slow
@@ -283,6 +288,51 @@ def test_a_stream_cut_anywhere_continues_exactly(engines):
     string across the cut): the continuation the data plane sends when a replica fails or is drained."""
     (_, url), _ = engines[0]
     print("\n" + "\n".join(cut_anywhere(url)))
+
+
+def test_a_batch_stream_pauses_for_a_light_user_and_continues_exactly(engines, tmp_path):
+    """Fair share in front of the two engines, each told it has one place: the batch user's two long greedy
+    streams take both, so the light user's request would wait for one of them to end. One pauses instead
+    (its engine aborts it as its connection closes): the light request starts at once, and the paused stream
+    continues when the light one ends. Its client gets exactly the uninterrupted run's text, and its usage
+    row counts each token once."""
+    started, directory = engines
+    database = tmp_path / "tenancy.sqlite"
+    settings = tmp_path / "tenancy.json"
+    settings.write_text(json.dumps(TenancySettings(str(database), Limits(), 0.2).to_json()))
+    store = open_store(str(database))
+    batch_key, _ = add_key(store, "batch", project="physics")
+    light_key, _ = add_key(store, "light", project="chem")
+    router = Router("127.0.0.1", free_port(), key_file(directory), tmp_path / "router.log", model=MODEL,
+                    options=["--tenancy", str(settings)])
+    long = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    try:
+        router.start([])
+        for _, url in started:
+            router.add(url, capacity=1)
+        uninterrupted = streamed(started[0][1], long, KEY)["text"]
+        since = time.time()
+        under_way = [threading.Event(), threading.Event()]
+        with ThreadPoolExecutor(2) as pool:
+            batch = [pool.submit(streamed, router.url, long, batch_key, 300, event) for event in under_way]
+            assert all(event.wait(120) for event in under_way), "the batch user's streams to begin"
+            times, _ = stream_times(router.url, {**long, "max_tokens": 4, "prompt": "Hi"}, light_key)
+            still_running = [not future.done() for future in batch]
+            answers = [future.result() for future in batch]
+        assert all(still_running), "the batch streams ended before the light request: nothing was paused"
+        assert all(a["text"] == uninterrupted and a["done"] and not a["errors"] for a in answers)
+        pauses = [line for line in router.metrics().splitlines() if line.startswith("hpcserve_router_stream_pauses")]
+        assert pauses == ["hpcserve_router_stream_pauses_total 1.0"], pauses
+        wait_until(lambda: len(store.rows(since)) == 3, 10, "three usage rows")
+        assert sorted((r.user, r.completion_tokens) for r in store.rows(since)) == [
+            ("batch", 400), ("batch", 400), ("light", 4)]
+        print(f"\nthe light request: first token after {times[0]:.2f} s, end after {times[-1]:.2f} s; the batch "
+              f"streams took {[round(a['seconds'], 2) for a in answers]} s")
+    finally:
+        router.stop()
+        router.close()
+        store.close()
 
 
 def test_spread_drain_kill_and_add(router, engines):

@@ -421,17 +421,15 @@ class Admission:
         await self.wait(ticket, now)
         return ticket
 
-    async def wait(self, ticket: Ticket, since: float, leaves: bool = True) -> None:
-        """Until the queued ticket is granted; how long is observed for its project. leaves: a cancelled
-        wait gives back what was granted meanwhile (else the caller's turn does)."""
+    async def wait(self, ticket: Ticket, since: float) -> None:
+        """Until the queued ticket is granted; how long is observed for its project."""
         assert ticket.granted is not None, "only a queued ticket waits"
         self.waits += 1
         try:
             await ticket.granted
         except asyncio.CancelledError:  # the client left: its place goes, or what it was granted
             if ticket.granted.done() and not ticket.granted.cancelled():
-                if leaves:
-                    self.leave(ticket)
+                self.leave(ticket)
             elif ticket in self.waiting:
                 self.waiting.remove(ticket)
             raise
@@ -493,8 +491,8 @@ class Admission:
         self.admit()
         try:
             if not ticket.granted.done():
-                await self.wait(ticket, now, leaves=False)
-        finally:  # granted: held again (the turn's end leaves it); cancelled while it waited: held by nobody
+                await self.wait(ticket, now)
+        finally:  # granted, even as its client left: held again, the turn's end leaves it; else held by nobody
             ticket.out = not (ticket.granted.done() and not ticket.granted.cancelled())
 
     def paused_ended(self) -> None:
