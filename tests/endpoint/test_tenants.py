@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import free_port
+from helpers import free_port, stream_times
 from prometheus_client.parser import text_string_to_metric_families
 from router_fixtures import KEY, key_file, start_stubs, stop
 
@@ -211,7 +211,8 @@ def test_fair_share_holds_a_lone_users_excess_and_starts_a_newcomer_in_a_free_pl
     light_key, _ = add_key(store, "light", project="chat")
     body = {"model": "stub", "prompt": "hello", "max_tokens": 10, "stream": True}
 
-    def first_byte_s(client: httpx.Client, key: str) -> float:
+    def times(client: httpx.Client, key: str) -> tuple[float, float, float]:
+        """When a streamed request was sent, when its first byte came, when it ended (time.monotonic)."""
         started = time.monotonic()
         with client.stream("POST", f"{router.url}/v1/completions", json=body,
                            headers={"Authorization": f"Bearer {key}"}) as response:
@@ -219,7 +220,12 @@ def test_fair_share_holds_a_lone_users_excess_and_starts_a_newcomer_in_a_free_pl
             first = None
             for _ in response.iter_bytes():
                 first = time.monotonic() if first is None else first
-        return (first or time.monotonic()) - started
+        ended = time.monotonic()
+        return started, first or ended, ended
+
+    def streams_open() -> float:
+        return next(family.samples[0].value for family in text_string_to_metric_families(router.metrics())
+                    if family.name == "hpcserve_router_streams_open")
 
     try:
         router.start([])
@@ -227,12 +233,15 @@ def test_fair_share_holds_a_lone_users_excess_and_starts_a_newcomer_in_a_free_pl
             router.add(url, capacity=2)
         with (httpx.Client(timeout=30, trust_env=False, limits=httpx.Limits(max_connections=40)) as client,
               ThreadPoolExecutor(17) as pool):
-            heavy = [pool.submit(first_byte_s, client, heavy_key) for _ in range(16)]
+            heavy = [pool.submit(times, client, heavy_key) for _ in range(16)]
             wait_until(lambda: router.backends_json()["waiting"] == 10, 5, "the lone user's excess to wait")
             assert sum(b["in_flight"] for b in router.backends_json()["backends"]) == 6  # 2 + 1 per engine
-            light = pool.submit(first_byte_s, client, light_key).result()
-            assert light < 0.3, light  # at once: not at the first batch's end (0.5 s), nor the queue's (~2 s)
-            assert max(f.result() for f in heavy) > 1.5  # the heavy user's queue did wait
+            wait_until(lambda: streams_open() == 4, 5, "the running batches' streams to begin")
+            _, light_first, _ = pool.submit(times, client, light_key).result()
+            heavy_times = [f.result() for f in heavy]
+            # at once: before any of the heavy user's requests ended (the first batch's end, 0.5 s in)
+            assert light_first < min(ended for _, _, ended in heavy_times)
+            assert max(first - started for started, first, _ in heavy_times) > 1.5  # the heavy queue did wait
         # /metrics tells who waited in the data plane: the heavy user's excess and its three paused streams,
         # the light user's one request (for as long as the pauses took)
         families = {family.name: family for family in text_string_to_metric_families(router.metrics())}
@@ -263,36 +272,23 @@ def test_a_heavy_users_stream_pauses_for_a_light_user_and_then_continues_whole(t
     store = open_store(database)
     heavy_key, _ = add_key(store, "heavy", project="batch")
     light_key, _ = add_key(store, "light", project="chat")
-    started = threading.Semaphore(0)
 
-    def stream(key: str, tokens: int) -> tuple[float, str, dict]:
-        """(seconds to the first byte, the text, the usage) of one streamed completion."""
-        body = {"model": "stub", "prompt": "hello", "max_tokens": tokens, "stream": True,
-                "stream_options": {"include_usage": True}}
-        sent, first, text, usage = time.monotonic(), None, "", {}
-        with httpx.Client(timeout=30, trust_env=False) as client, client.stream(
-                "POST", f"{router.url}/v1/completions", json=body,
-                headers={"Authorization": f"Bearer {key}"}) as response:
-            assert response.status_code == 200
-            for line in response.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                if first is None:
-                    first = time.monotonic()
-                    started.release()
-                event = json.loads(line[len("data: "):])
-                text += "".join(choice.get("text") or "" for choice in event["choices"])
-                usage = event.get("usage") or usage
-        return (first or time.monotonic()) - sent, text, usage
+    def stream(key: str, tokens: int, under_way: threading.Event | None = None) -> tuple[float, str, dict]:
+        """(seconds to the first event, the text, the usage) of one streamed completion."""
+        body = {"model": "stub", "prompt": "hello", "max_tokens": tokens, "stream_options": {"include_usage": True}}
+        times, lines = stream_times(router.url, body, key, 30, under_way)
+        events = [json.loads(line[len("data:"):]) for line in lines if line != "data: [DONE]"]
+        text = "".join(choice.get("text") or "" for event in events for choice in event["choices"])
+        return times[0], text, next((event["usage"] for event in events if event.get("usage")), {})
 
     try:
         router.start([])
         router.add(url, capacity=2)
         since = time.time()
         with ThreadPoolExecutor(3) as pool:
-            heavy = [pool.submit(stream, heavy_key, 40) for _ in range(2)]
-            for _ in heavy:
-                assert started.acquire(timeout=10), "the heavy user's streams to begin"
+            under_way = [threading.Event(), threading.Event()]
+            heavy = [pool.submit(stream, heavy_key, 40, event) for event in under_way]
+            assert all(event.wait(10) for event in under_way), "the heavy user's streams to begin"
             light_first, light_text, _ = pool.submit(stream, light_key, 4).result()
             assert light_first < 0.5, light_first  # at once, not after a heavy stream's end (2 s)
             for answer in heavy:

@@ -279,7 +279,7 @@ class FairShare:
     def pause_whom(self, who: tuple[str, str], capacity: int, pausable: Iterable[tuple[str, str]]) -> tuple[str, str] | None:
         """Whose stream pauses so that this user's waiting request starts now: where it is below its share,
         the user among `pausable` furthest above theirs and still at or above it with one stream fewer;
-        None where nobody's should. Pure apart from expire."""
+        None where nobody's should. Pure."""
         if self.running.get(who, 0) >= self.share_of(who[0], capacity):
             return None
         chosen, most = None, 1.0
@@ -410,16 +410,21 @@ class Admission:
             if not priced or budget is None or self.admitted == 0 or self.in_flight + cost <= budget:
                 self.grant(ticket, cost)
                 return ticket
-        ticket.granted = asyncio.get_running_loop().create_future()
-        self.waiting.append(ticket)
-        self.admit()  # a prefix held somewhere may go before those waiting
-        if ticket.granted.done():
+        if self.queue(ticket).done():  # a prefix held somewhere may go before those waiting
             return ticket
         if self.pausable:
             # requests queued in engines (a user alone had the extra places) take the first places freed
             self.pause_for(ticket, capacity, 1 + max(0, self.admitted - self.pausing - capacity))
         await self.wait(ticket, now)
         return ticket
+
+    def queue(self, ticket: Ticket, first: bool = False) -> asyncio.Future:
+        """The ticket in line (first: before every other), then in whom there is room for; its grant (done
+        when that was the ticket)."""
+        granted = ticket.granted = asyncio.get_running_loop().create_future()
+        (self.waiting.appendleft if first else self.waiting.append)(ticket)
+        self.admit()
+        return granted
 
     async def wait(self, ticket: Ticket, since: float) -> None:
         """Until the queued ticket is granted; how long is observed for its project."""
@@ -486,14 +491,12 @@ class Admission:
             if now >= self.fair.due:
                 self.fair.expire(now)
             self.fair.arrived(ticket.project, ticket.user, now)
-        ticket.granted = asyncio.get_running_loop().create_future()
-        self.waiting.appendleft(ticket)
-        self.admit()
+        granted = self.queue(ticket, first=True)
         try:
-            if not ticket.granted.done():
+            if not granted.done():
                 await self.wait(ticket, now)
         finally:  # granted, even as its client left: held again, the turn's end leaves it; else held by nobody
-            ticket.out = not (ticket.granted.done() and not ticket.granted.cancelled())
+            ticket.out = not (granted.done() and not granted.cancelled())
 
     def paused_ended(self) -> None:
         """A stream asked to pause ended instead (its last event was on its way): nothing to give back."""

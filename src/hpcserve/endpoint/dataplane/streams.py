@@ -40,6 +40,7 @@ from hpcserve.endpoint.dataplane.admission import Ticket
 from hpcserve.endpoint.dataplane.continuation import Continuation, detokenize_body, ending, start
 from hpcserve.endpoint.dataplane.migration import CannotMigrate, Record, Request, why_not
 from hpcserve.endpoint.dataplane.routing import choose
+from hpcserve.endpoint.dataplane.routing.base import has_room
 from hpcserve.endpoint.dataplane.routing.table import Backend
 from hpcserve.endpoint.dataplane.sse import (
     DONE,
@@ -303,8 +304,7 @@ class Stream:
         """Where a paused stream continues: its replica while it serves and has a free place, else the
         policy's choice."""
         pool, now = self.room.pool, time.monotonic()
-        if (source in pool.active and source.failed_until <= now and not source.saturated
-                and source.in_flight < source.capacity):
+        if source in pool.active and has_room(source, now):
             return source
         return choose(pool, self.room.policy, None, now)
 
