@@ -14,7 +14,9 @@ alone (an open loop at --b-rate requests/s), A alone (a closed loop of --a-in-fl
 (ignore_eos); with --vary-tokens V each request's length is drawn uniformly within +-V of it (same mean): requests
 of one length that start together end together, so that a full pool frees its places in waves. Reported per phase: B's time to first token (p50, p90), and the pool's throughput (completion
 tokens/s of both users, counted from the usage chunk), and the engines' occupancy: their running requests
-(vLLM's /metrics, read every OCCUPANCY_EVERY_S) over --max-num-seqs, on average. The figures the issue asks
+(vLLM's /metrics, read every OCCUPANCY_EVERY_S) over --max-num-seqs, on average; and the tokens the engines
+generated per second within the phase by their own counter (vllm:generation_tokens_total, read at the same
+times), beside the clients' count, which includes the phase's tail (its last streams end after its time). The figures the issue asks
 for: B's TTFT p50 with A over B's alone (target <= 1.25) and the pool's throughput with B over A alone's
 (target >= 0.97). On two shared cores the engines' speed moves between phases by more than that; the
 occupancy ratio (A and B over A alone) says whether places were left empty, whatever the speed. With fair
@@ -47,7 +49,7 @@ from tenancy_bench import finish, workspace
 from hpcserve.benchmark.summary import percentile
 from hpcserve.core.net import free_loopback_port as free_port
 from hpcserve.endpoint.control.plane_client import Router
-from hpcserve.engine.metrics import engine_load
+from hpcserve.engine.metrics import engine_load, sample_values
 from hpcserve.tenancy.keyring import add_key
 from hpcserve.tenancy.store import open_store
 
@@ -80,16 +82,28 @@ async def stream(session: aiohttp.ClientSession, url: str, key: str, tokens: int
     record["ttft"].append(first - sent)
 
 
-async def occupancy(session: aiohttp.ClientSession, engines: list[str], until: float, running: list[float]) -> None:
-    """Each engine's running requests, read from its /metrics every OCCUPANCY_EVERY_S until `until`."""
+GENERATED = "vllm:generation_tokens_total"
+
+
+async def occupancy(session: aiohttp.ClientSession, engines: list[str], until: float, running: list[float],
+                    generated: list[tuple[float, float]]) -> None:
+    """Each engine's running requests, read from its /metrics every OCCUPANCY_EVERY_S until `until`; and
+    at each round where every engine answered, the tokens all of them generated so far (vLLM's counter;
+    stand-ins have none) with the time."""
     loop = asyncio.get_running_loop()
     while loop.time() < until:
+        tokens: float | None = 0.0
         for engine in engines:
             try:
                 async with session.get(f"{engine}/metrics") as r:
-                    running.append(engine_load(await r.text()).running)
+                    text = await r.text()
+                running.append(engine_load(text).running)
+                counted = sample_values(text, (GENERATED,))[GENERATED]
+                tokens = tokens + sum(counted) if tokens is not None and counted else None
             except (aiohttp.ClientError, ValueError):
-                pass
+                tokens = None
+        if tokens is not None:
+            generated.append((loop.time(), tokens))
         await asyncio.sleep(OCCUPANCY_EVERY_S)
 
 
@@ -120,6 +134,7 @@ async def phase(target: Target, users: str, args: argparse.Namespace) -> dict:
     waits_before = project_waits(await asyncio.to_thread(target.metrics), B_PROJECT) if target.metrics else None
     records = {u: {"ttft": [], "tokens": 0, "failed": 0} for u in "AB"}
     running: list[float] = []
+    generated: list[tuple[float, float]] = []
     loop = asyncio.get_running_loop()
     deadline = loop.time() + args.phase_s
     connector = aiohttp.TCPConnector(limit=0)
@@ -147,7 +162,7 @@ async def phase(target: Target, users: str, args: argparse.Namespace) -> dict:
                 await asyncio.sleep(rng.expovariate(args.b_rate))
 
         work = ([a_worker(i) for i in range(args.a_in_flight)] if "A" in users else []) + \
-               ([b_arrivals()] if "B" in users else []) + [occupancy(session, args.engines, deadline, running)]
+               ([b_arrivals()] if "B" in users else []) + [occupancy(session, args.engines, deadline, running, generated)]
         await asyncio.gather(*work)
         await asyncio.gather(*tasks)
         wall = time.perf_counter() - started
@@ -157,6 +172,9 @@ async def phase(target: Target, users: str, args: argparse.Namespace) -> dict:
            "a_requests": len(records["A"]["ttft"]), "failed": records["A"]["failed"] + records["B"]["failed"],
            "tokens_per_s": round((records["A"]["tokens"] + records["B"]["tokens"]) / wall, 1),
            "occupancy": round(sum(running) / len(running) / args.max_num_seqs, 3) if running else None}
+    if len(generated) >= 2:  # the engines' own count, within the phase: no tail of streams ending after it
+        (first_at, first), (last_at, last) = generated[0], generated[-1]
+        got["engine_tokens_per_s"] = round((last - first) / (last_at - first_at), 1)
     if waits_before is not None and target.metrics is not None and b:
         count, total, pauses = project_waits(await asyncio.to_thread(target.metrics), B_PROJECT)
         # B's requests that waited for a place, and the mean wait over all of B's (beside b_ttft_mean_s); A's
@@ -183,6 +201,9 @@ async def run(targets: dict[str, Target], args: argparse.Namespace) -> dict:
                  (("B alone", "B"), ("A alone", "A"), ("A and B", "AB"))}
         point["b_ttft_ratio"] = round(point["A and B"]["b_ttft_p50_s"] / point["B alone"]["b_ttft_p50_s"], 2)
         point["throughput_ratio"] = round(point["A and B"]["tokens_per_s"] / point["A alone"]["tokens_per_s"], 3)
+        if point["A and B"].get("engine_tokens_per_s") and point["A alone"].get("engine_tokens_per_s"):
+            point["engine_throughput_ratio"] = round(
+                point["A and B"]["engine_tokens_per_s"] / point["A alone"]["engine_tokens_per_s"], 3)
         if point["A and B"]["occupancy"] and point["A alone"]["occupancy"]:
             point["occupancy_ratio"] = round(point["A and B"]["occupancy"] / point["A alone"]["occupancy"], 3)
         results[mode] = point

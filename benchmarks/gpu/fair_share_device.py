@@ -50,11 +50,20 @@ def wait_engines(urls: list[str], ready_s: float) -> float:
     return round(time.monotonic() - started, 1)
 
 
+def engines(point: dict) -> str:
+    """The engines' own tokens/s (within each phase, without the clients' tail) and their ratio."""
+    ratio = point.get("engine_throughput_ratio")
+    if ratio is None:
+        return "-"
+    return (f"{point['A alone']['engine_tokens_per_s']}, {point['A and B']['engine_tokens_per_s']}, {ratio} "
+            f"{'met' if ratio >= TARGET_THROUGHPUT else 'NOT met'}")
+
+
 def verdict(results: dict) -> list[str]:
     lines = [("| mode | B alone TTFT p50 s | A and B: B TTFT p50 s | B ratio (<= 1.25) | A alone tok/s | A and B tok/s "
-              "| throughput ratio (>= 0.97) | failed | A and B: B's mean TTFT s, of it waited in admission "
-              "| A's streams paused for B |"),
-             "|---|---|---|---|---|---|---|---|---|---|"]
+              "| throughput ratio (>= 0.97) | engines' tok/s: A alone, A and B, ratio (>= 0.97) | failed "
+              "| A and B: B's mean TTFT s, of it waited in admission | A's streams paused for B |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for mode in MODES:
         p = results.get(mode)
         if not p:
@@ -63,7 +72,7 @@ def verdict(results: dict) -> list[str]:
         lines.append(f"| {mode} | {p['B alone']['b_ttft_p50_s']:.3f} | {p['A and B']['b_ttft_p50_s']:.3f} | "
                      f"{p['b_ttft_ratio']} {'met' if p['b_ttft_ratio'] <= TARGET_B_TTFT else 'NOT met'} | "
                      f"{p['A alone']['tokens_per_s']} | {p['A and B']['tokens_per_s']} | {p['throughput_ratio']} "
-                     f"{'met' if p['throughput_ratio'] >= TARGET_THROUGHPUT else 'NOT met'} | {failed} | "
+                     f"{'met' if p['throughput_ratio'] >= TARGET_THROUGHPUT else 'NOT met'} | {engines(p)} | {failed} | "
                      f"{p['A and B']['b_ttft_mean_s']}, {p['A and B'].get('b_wait_mean_s', '-')} | "
                      f"{p['A and B'].get('pauses', '-')} |")
     return lines

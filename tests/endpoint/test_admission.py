@@ -249,6 +249,51 @@ def test_places_a_light_user_freed_go_back_to_the_heavy_user_after_keep_s():
     assert not fair.may_go("p-heavy", "heavy", admitted=7, capacity=8, slots=10, now=1.0 + KEEP_S)
 
 
+def test_a_user_whose_streams_can_pause_leaves_no_place_free():
+    """Places left free are idle; a user with a stream that could pause takes them all, since a newcomer
+    pauses one of theirs instead (and never more than the running batches: no engine queue while shared)."""
+    fair = FairShare({})
+    for who in ("light", "heavy"):
+        fair.arrived("p-" + who, who, 0.0)
+    for _ in range(2):
+        fair.served("p-light", "light")
+    for _ in range(5):
+        fair.served("p-heavy", "heavy")
+    for _ in range(2):
+        fair.ended("p-light", "light", 1.0)
+    now = 1.0 + KEEP_S / 2
+    assert not fair.may_go("p-heavy", "heavy", admitted=5, capacity=8, slots=10, now=now)
+    assert fair.may_go("p-heavy", "heavy", admitted=7, capacity=8, slots=10, now=now, can_pause=True)
+    assert not fair.may_go("p-heavy", "heavy", admitted=8, capacity=8, slots=10, now=now, can_pause=True)
+
+
+def test_with_a_pausable_stream_a_heavy_user_fills_the_places_and_a_newcomer_pauses_one():
+    async def scenario():
+        table = RoutingTable()
+        table.update([BackendSpec(A, capacity=4)])
+        admission = Admission(table, 0.0, fair=FairShare({}))
+        first_light = await admission.enter(None, "p-light", "light")
+        first_heavy = await admission.enter(None, "p-heavy", "heavy")
+        paused = []
+        admission.may_pause(first_heavy, lambda: paused.append(first_heavy) or True)
+        heavy = [asyncio.ensure_future(admission.enter(None, "p-heavy", "heavy")) for _ in range(10)]
+        await settle()
+        assert sum(t.done() for t in heavy) == 2 and admission.admitted == 4  # no place left free
+        admission.leave(first_light)
+        await settle()
+        assert sum(t.done() for t in heavy) == 3  # light's freed place is not kept: heavy can pause
+        second_light = asyncio.ensure_future(admission.enter(None, "p-light", "light"))
+        await settle()
+        assert paused == [first_heavy] and not second_light.done()
+        resumed = asyncio.ensure_future(admission.resume(first_heavy))
+        await settle()
+        assert second_light.done() and not resumed.done()
+        for task in (*heavy, resumed):
+            task.cancel()
+
+    asyncio.run(scenario())
+
+
 def test_a_heavy_user_keeps_no_places_from_another():
     """Places are kept only for users below their share: two batch jobs share by the fair order."""
     fair = FairShare({})

@@ -36,6 +36,8 @@ places for a newcomer and the places users below their share freed in the last K
 user's next request starts at once in a place of their own instead of waiting for one of the batch job's to
 end. (Requests of one length admitted together end together: a batch job's places free in waves, seconds
 apart, and a light user who had to wait for the next wave waited half of one request's time at the median.)
+Each place left free is idle meanwhile; so where streams pause (below), a user with a stream that could
+pause takes every free place, and a newcomer pauses one of theirs instead.
 
 Where a user below their share must wait all the same (every place of the running batches taken), one stream
 of the user furthest above theirs pauses (tenancy.pause_streams): the data plane closes it at its engine,
@@ -241,12 +243,14 @@ class FairShare:
     def _sum_weights(self) -> None:  # summed afresh when a project comes or goes: no drift from float sums
         self.weight_sum = sum(self.shares.get(p, 1.0) for p in self.active_users)
 
-    def may_go(self, project: str, user: str, admitted: int, capacity: int, slots: int, now: float) -> bool:
+    def may_go(self, project: str, user: str, admitted: int, capacity: int, slots: int, now: float,
+               can_pause: bool = False) -> bool:
         """Whether a request of this user may take a place now: admitted of slots taken, the replicas
         running capacity at once. A user alone may take all the slots (one request queued in each engine
         keeps it busy between two requests); the rest wait here, where a newcomer can pass them. While
         others are active, requests go only into free places of the running batches: one queued in an
-        engine would wait there behind whoever came first."""
+        engine would wait there behind whoever came first. can_pause: the user has a stream under way that
+        could pause for a newcomer; then no place is left free for others (they pause one instead)."""
         if now >= self.due:
             self.expire(now)
         if admitted >= slots:
@@ -256,7 +260,7 @@ class FairShare:
             return True  # alone: every place, the extra one per engine included
         if admitted >= capacity:
             return False  # shared: only into a running batch; in an engine's queue no fair order reaches it
-        if admitted + RESERVE + self.kept_most < capacity:  # room even if every kept place were free
+        if can_pause or admitted + RESERVE + self.kept_most < capacity:  # or room even if every kept place were free
             return True
         if self.running.get(who, 0) < self.share_of(project, capacity):
             return True  # below its share: any free place
@@ -374,7 +378,8 @@ class Admission:
         """Whether the ticket's user may take a place now (always, without fair share)."""
         if slots is None or self.fair is None:
             return True
-        return self.fair.may_go(ticket.project, ticket.user, self.admitted, capacity, slots, now)
+        who = (ticket.project, ticket.user)
+        return self.fair.may_go(*who, self.admitted, capacity, slots, now, who in self.pausable)
 
     @asynccontextmanager
     async def turn(self, affinity: Affinity | None, project: str = "", user: str = "") -> AsyncIterator[Ticket]:
