@@ -5,7 +5,7 @@ engines). Side by side in one run.
 
     flock /tmp/hpcserve-heavy.lock .venv/bin/python benchmarks/tenancy_fair_share.py [--phase-s 60]
         [--a-in-flight 24] [--b-rate 0] [--tokens 16] [--max-num-seqs 4] [--json F]
-        [--standin-token-ms MS [--standin-first-ms MS]]
+        [--engine-cores 0,1] [--standin-token-ms MS [--standin-first-ms MS]]
 
 Two vLLM CPU engines (the builtin tiny model, one core each, --max-num-seqs, their capacity told to the data
 plane). --b-rate 0: B sends a tenth of A's request rate alone, measured for CALIBRATE_S through the first come
@@ -23,7 +23,9 @@ occupancy ratio (A and B over A alone) says whether places were left empty, what
 share, how long B's requests waited in the data plane for a place (its /metrics, hpcserve_project_admission_wait_
 seconds of B's project): what of B's TTFT is the admission's, the rest is the engines' (and, here, the shared cores');
 and how many of A's streams paused for B (hpcserve_router_stream_pauses). --modes fair,nopause,fcfs adds fair
-share without those pauses (tenancy.pause_streams off) to the comparison.
+share without those pauses (tenancy.pause_streams off) to the comparison, and "floor" first come first served
+with A one place per engine short of the pool (B's request joins a running batch at once: the least B's time
+to first token can be while A runs, whatever the order; its B ratio is the engines' own).
 --standin-token-ms: stand-ins (hpcserve.testing.standin) instead of vLLM, each --max-num-seqs places served
 first come first served, a request's first token after --standin-first-ms and then one every MS: a pool
 shaped like the GPU's (whose throughput follows the places in use), on which the admission's choices show
@@ -53,7 +55,11 @@ from hpcserve.engine.metrics import engine_load, sample_values
 from hpcserve.tenancy.keyring import add_key
 from hpcserve.tenancy.store import open_store
 
-MODES = ("fair", "nopause", "fcfs")  # fair share; the same without pausing A's streams; first come first served
+# fair share; the same without pausing A's streams; first come first served; and the floor: first come first
+# served with A holding one place per engine fewer than there are, so that B's request always joins a running
+# batch at once (the best any order of requests could give B while A's streams run: what the engines' batching
+# itself adds to B's time to first token)
+MODES = ("fair", "nopause", "fcfs", "floor")
 CALIBRATE_S = 10.0
 B_SHARE = 0.1  # --b-rate 0: B sends a tenth of A's request rate alone (the issue's "A sends 10x B's rate")
 B_PROJECT = "pb"
@@ -172,7 +178,8 @@ async def phase(target: Target, users: str, args: argparse.Namespace) -> dict:
            "a_requests": len(records["A"]["ttft"]), "failed": records["A"]["failed"] + records["B"]["failed"],
            "tokens_per_s": round((records["A"]["tokens"] + records["B"]["tokens"]) / wall, 1),
            "occupancy": round(sum(running) / len(running) / args.max_num_seqs, 3) if running else None}
-    if len(generated) >= 2:  # the engines' own count, within the phase: no tail of streams ending after it
+    if len(generated) >= 2 and generated[-1][1] > generated[0][1]:  # the engines' own count, within the phase
+        # (no tail of streams ending after it); stand-ins count nothing
         (first_at, first), (last_at, last) = generated[0], generated[-1]
         got["engine_tokens_per_s"] = round((last - first) / (last_at - first_at), 1)
     if waits_before is not None and target.metrics is not None and b:
@@ -196,8 +203,10 @@ async def run(targets: dict[str, Target], args: argparse.Namespace) -> dict:
     results = {}
     for mode in targets:
         target = targets[mode]
-        await phase(target, "A", argparse.Namespace(**{**vars(args), "phase_s": 5}))  # warm, unmeasured
-        point = {name: await phase(target, users, args) for name, users in
+        mode_args = args if mode != "floor" else argparse.Namespace(
+            **{**vars(args), "a_in_flight": (args.max_num_seqs - 1) * len(args.engines)})
+        await phase(target, "A", argparse.Namespace(**{**vars(mode_args), "phase_s": 5}))  # warm, unmeasured
+        point = {name: await phase(target, users, mode_args) for name, users in
                  (("B alone", "B"), ("A alone", "A"), ("A and B", "AB"))}
         point["b_ttft_ratio"] = round(point["A and B"]["b_ttft_p50_s"] / point["B alone"]["b_ttft_p50_s"], 2)
         point["throughput_ratio"] = round(point["A and B"]["tokens_per_s"] / point["A alone"]["tokens_per_s"], 3)
@@ -226,7 +235,7 @@ def run_calibrated(targets: dict[str, Target], args: argparse.Namespace, min_b_r
 def mode_targets(here, urls: list[str], capacity: int, model: str = "tiny",
                  workers: int = 1, modes: tuple[str, ...] = ("fair", "fcfs")) -> dict[str, Target]:
     """One data plane per mode over the engines (each told its capacity): fair share with A's and B's own keys
-    (projects of equal shares), first come first served with the deployment's key for both."""
+    (projects of equal shares), first come first served (and the floor) with the deployment's key for both."""
     key_file = here.key_file(KEY)
     database = here.folder / "tenancy.sqlite"
     store = open_store(database)
@@ -264,6 +273,9 @@ def main() -> int:
     parser.add_argument("--vary-tokens", type=float, default=0.0,
                         help="each request's output tokens uniform within +- this fraction of --tokens (0: all alike)")
     parser.add_argument("--max-num-seqs", type=int, default=4)
+    parser.add_argument("--engine-cores", default="0,1",
+                        help="one vLLM engine on each of these cores (comma-separated); '1' leaves core 0 to the "
+                             "data plane, the clients and the engine's API server")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--standin-token-ms", type=float, default=0.0,
                         help="stand-ins instead of vLLM (see above)")
@@ -279,8 +291,9 @@ def main() -> int:
             # Eager: compiled, each new batch shape stalled its engine for seconds (tokens/s 10-47 over the
             # first minutes, B's TTFT alone 0.56 s in the first mode and 0.03 s in the second), so the modes'
             # phases were not comparable.
-            engines, urls = start_engines(here.folder, extra=("--max-num-seqs", str(args.max_num_seqs),
-                                                              "--enforce-eager"))
+            cores = tuple(int(c) for c in args.engine_cores.split(","))
+            engines, urls = start_engines(here.folder, cores, extra=("--max-num-seqs", str(args.max_num_seqs),
+                                                                     "--enforce-eager"))
         here.processes += engines
         targets = mode_targets(here, urls, args.max_num_seqs, modes=modes(args.modes))
         args.engines = urls

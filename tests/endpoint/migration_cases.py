@@ -7,6 +7,7 @@ and with a stop string that can run across the cut."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 from router_fixtures import KEY
@@ -22,6 +23,7 @@ COMPLETION = {"model": MODEL, "prompt": "Hello, my name is", "max_tokens": 40, "
               "ignore_eos": True, "stream": True}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a story about a cat."}], "max_tokens": 40,
         "temperature": 0, "ignore_eos": True, "stream": True}
+CONCURRENT = 16  # continuations in flight at once
 ASKED = {"return_token_ids": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
 CASES = {  # name: (kind, the client's body)
     "completion": (m.Kind.COMPLETION, COMPLETION),
@@ -102,8 +104,11 @@ def cut_anywhere(engine: str) -> list[str]:
         finish_at = next(i for i, e in enumerate(events) if b'"finish_reason":"' in e)
         first = 2 if kind is m.Kind.CHAT else 1  # completions' first event has prompt ids, chat's the role
         kept, again, asked, straddled = [], [], 0, 0
-        for cut in range(first, finish_at + 1):
-            stream, how = migrated(engine, request, events, cut)
+        cuts = range(first, finish_at + 1)
+        # sent together: the engine runs the continuations in one batch (one at a time, this test took 100 s)
+        with ThreadPoolExecutor(CONCURRENT) as pool:
+            continued = list(pool.map(lambda cut: migrated(engine, request, events, cut), cuts))
+        for cut, (stream, how) in zip(cuts, continued, strict=True):
             got = summary(stream, kind)
             if got != want and got["finish"] == want["finish"] == [("stop", "k c c")] and got["text"] == want["text"]:
                 # the stop string ran across the cut: found by the data plane, after the tokens the new

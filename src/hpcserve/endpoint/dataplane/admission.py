@@ -36,8 +36,6 @@ places for a newcomer and the places users below their share freed in the last K
 user's next request starts at once in a place of their own instead of waiting for one of the batch job's to
 end. (Requests of one length admitted together end together: a batch job's places free in waves, seconds
 apart, and a light user who had to wait for the next wave waited half of one request's time at the median.)
-Each place left free is idle meanwhile; so where streams pause (below), a user with a stream that could
-pause takes every free place, and a newcomer pauses one of theirs instead.
 
 Where a user below their share must wait all the same (every place of the running batches taken), one stream
 of the user furthest above theirs pauses (tenancy.pause_streams): the data plane closes it at its engine,
@@ -243,14 +241,12 @@ class FairShare:
     def _sum_weights(self) -> None:  # summed afresh when a project comes or goes: no drift from float sums
         self.weight_sum = sum(self.shares.get(p, 1.0) for p in self.active_users)
 
-    def may_go(self, project: str, user: str, admitted: int, capacity: int, slots: int, now: float,
-               can_pause: bool = False) -> bool:
+    def may_go(self, project: str, user: str, admitted: int, capacity: int, slots: int, now: float) -> bool:
         """Whether a request of this user may take a place now: admitted of slots taken, the replicas
         running capacity at once. A user alone may take all the slots (one request queued in each engine
         keeps it busy between two requests); the rest wait here, where a newcomer can pass them. While
         others are active, requests go only into free places of the running batches: one queued in an
-        engine would wait there behind whoever came first. can_pause: the user has a stream under way that
-        could pause for a newcomer; then no place is left free for others (they pause one instead)."""
+        engine would wait there behind whoever came first."""
         if now >= self.due:
             self.expire(now)
         if admitted >= slots:
@@ -260,7 +256,7 @@ class FairShare:
             return True  # alone: every place, the extra one per engine included
         if admitted >= capacity:
             return False  # shared: only into a running batch; in an engine's queue no fair order reaches it
-        if can_pause or admitted + RESERVE + self.kept_most < capacity:  # or room even if every kept place were free
+        if admitted + RESERVE + self.kept_most < capacity:  # room even if every kept place were free
             return True
         if self.running.get(who, 0) < self.share_of(project, capacity):
             return True  # below its share: any free place
@@ -346,7 +342,6 @@ class Admission:
         self.waited: dict[str, list[float]] = {}  # per project ('-': none), how long (metrics.wait_histogram)
         # per user, their streams under way that could pause (each one's pause), oldest first
         self.pausable: dict[tuple[str, str], dict[Ticket, Callable[[], bool]]] = {}
-        self.pausing = 0  # streams asked to pause whose places are not given back yet
         self.pauses = 0  # streams paused (a counter)
         # budget, slots and capacity of the pool's replicas as they were last summed: the pool replaces its
         # list of active replicas (and their sizes) whenever it changes, so they are summed once per change
@@ -378,8 +373,7 @@ class Admission:
         """Whether the ticket's user may take a place now (always, without fair share)."""
         if slots is None or self.fair is None:
             return True
-        who = (ticket.project, ticket.user)
-        return self.fair.may_go(*who, self.admitted, capacity, slots, now, who in self.pausable)
+        return self.fair.may_go(ticket.project, ticket.user, self.admitted, capacity, slots, now)
 
     @asynccontextmanager
     async def turn(self, affinity: Affinity | None, project: str = "", user: str = "") -> AsyncIterator[Ticket]:
@@ -419,7 +413,7 @@ class Admission:
             return ticket
         if self.pausable:
             # requests queued in engines (a user alone had the extra places) take the first places freed
-            self.pause_for(ticket, capacity, 1 + max(0, self.admitted - self.pausing - capacity))
+            self.pause_for(ticket, capacity, 1 + max(0, self.admitted - capacity))
         await self.wait(ticket, now)
         return ticket
 
@@ -468,7 +462,8 @@ class Admission:
 
     def pause_for(self, ticket: Ticket, capacity: int, count: int) -> None:
         """The waiting ticket's user is below their share: `count` streams of the users furthest above
-        theirs pause, the newest that can (the last place freed then goes to the ticket, in admit)."""
+        theirs pause, the newest that can. Each paused stream's place is given back at once (its engine frees
+        it as the connection closes), so the waiting ticket has it before this returns (in admit)."""
         assert self.fair is not None, "streams are pausable only with fair share (may_pause)"
         while count > 0:
             whom = self.fair.pause_whom((ticket.project, ticket.user), capacity, self.pausable)
@@ -476,21 +471,19 @@ class Admission:
                 return
             streams = self.pausable[whom]
             while streams:
-                _, pause = streams.popitem()  # the newest first: the least to prefill again
+                paused, pause = streams.popitem()  # the newest first: the least to prefill again
                 if pause():
-                    self.pausing += 1
                     self.pauses += 1
                     count -= 1
+                    self.leave(paused)
+                    paused.out = True  # its turn's end gives nothing back again; resume queues it
                     break
             if not streams:
-                del self.pausable[whom]
+                self.pausable.pop(whom, None)
 
     async def resume(self, ticket: Ticket) -> None:
-        """A paused stream gives its place back (to whom it paused for) and waits for another, first among
-        its user's requests; returns once it has one."""
-        self.pausing -= 1
-        self.leave(ticket)
-        ticket.out = True
+        """A paused stream (its place given back as it paused) waits for another, first among its user's
+        requests; returns once it has one."""
         now = time.monotonic()
         if self.fair is not None:
             if now >= self.fair.due:
@@ -502,10 +495,6 @@ class Admission:
                 await self.wait(ticket, now)
         finally:  # granted, even as its client left: held again, the turn's end leaves it; else held by nobody
             ticket.out = not (granted.done() and not granted.cancelled())
-
-    def paused_ended(self) -> None:
-        """A stream asked to pause ended instead (its last event was on its way): nothing to give back."""
-        self.pausing -= 1
 
     def grant(self, ticket: Ticket, cost: int) -> None:
         if ticket.granted is not None:

@@ -143,8 +143,6 @@ class Stream:
             self.plane.streams.discard(self)
             if self.ticket is not None:
                 admission.cannot_pause(self.ticket)
-                if self.pausing:  # asked to pause as its end came: no place to give back
-                    admission.paused_ended()
             upstream.close()  # released already when it ended whole; closed (engine aborts) otherwise
 
     async def pass_on(self, upstream: aiohttp.ClientResponse, chunk: bytes) -> None:
@@ -214,6 +212,7 @@ class Stream:
             return False
         self.leaving = self.pausing = self.paused = True
         self.upstream.close()
+        self.lease.release(self.room.pool)  # its place goes to whom it paused for, who is routed there
         return True
 
     def check_handover(self) -> None:
@@ -255,13 +254,10 @@ class Stream:
         paused = failed.cause == "paused"
         if paused:
             self.pausing = False
-            if progress.finished or self.done:  # its end had come with the last chunk read
-                self.room.admission.paused_ended()
-                if self.done:
-                    return None
-            else:
+            if self.done:  # its end had come with the last chunk read
+                return None
+            if not progress.finished:
                 assert self.ticket is not None, "only a stream with a ticket is asked to pause"
-                self.lease.release(self.room.pool)  # its place goes to whom it paused for: routed there
                 await self.room.admission.resume(self.ticket)
         if progress.finished:
             await self.response.write(ending(self.request, progress))
