@@ -2,7 +2,7 @@
 # Installs everything the tests need on a fresh Debian/Ubuntu machine, then runs them.
 # Real components: vLLM on CPU, Ray, and (as root) a real Slurm cluster in network namespaces, whose
 # Debian packages the sandbox installs itself on first use.
-#   bash scripts/test.sh            everything (what CI runs): ruff and mypy over src/, then pytest on three workers
+#   bash scripts/test.sh            everything (what CI runs): ruff and mypy over src/, then pytest on two workers
 #                                   (pytest-xdist; tests/conftest.py says what runs where), with the 20 slowest listed
 #   bash scripts/test.sh --fast     only what needs no engine and no sandbox, for the edit-test loop
 #   bash scripts/test.sh ARGS       one pytest run with these arguments, e.g. -x -k router (in one process;
@@ -36,7 +36,6 @@ fi
 if [ $# -gt 0 ]; then
   exec "${PYTEST[@]}" -rs -n "${HPCSERVE_TEST_WORKERS:-0}" "$@"
 fi
-# The whole suite in one run on three workers: two run the engine and sandbox tests side by side, the third the
-# handover test (which mostly waits for its jobs' end) and then fast tests; each worker has a sandbox cluster of
-# its own (tests/conftest.py says what runs where; docs/testing.md).
-exec "${PYTEST[@]}" -rs -n "${HPCSERVE_TEST_WORKERS:-3}" --durations=20
+# The whole suite in one run on two workers: their waits overlap (a handover waiting for its jobs' end beside
+# a TP start), each worker has a sandbox cluster of its own, and the fast tests fill the gaps (docs/testing.md).
+exec "${PYTEST[@]}" -rs -n "${HPCSERVE_TEST_WORKERS:-2}" --durations=20

@@ -108,20 +108,11 @@ SOLO = "tests/benchmark/test_agrees_with_vllm_bench.py"
 LAST = "tests/sandbox/"  # its last test takes the default sandbox down
 PINNED = {"tests/cluster/test_two_replicas.py", "tests/cluster/test_slurm_ray.py", "tests/cluster/test_hostile_user.py",
           "tests/doctor/test_doctor_sandbox.py", LAST}  # they name the default sandbox's nodes and addresses
-# The handover test mostly waits (for its 6-minute jobs to near their end). With a third worker it runs there,
-# beside the other two, with the files of fast tests after it (a worker runs a test only once it holds the
-# next one); that worker takes no other engine or sandbox test, so that no more than two of those run at once
-# (three heavy workers overloaded the two cores: Ray heads timed out at start). With two workers it runs on
-# gw1 (gw0 has PINNED files to run).
-WAITS = "tests/cluster/test_handover.py"
+NOT_FIRST_WORKER = {"tests/cluster/test_handover.py"}  # gw0 has PINNED files to run
 
 
-def allowed_on(worker: str, scope: str, workers: int) -> bool:
-    if worker == "gw2":
-        return scope == WAITS or (scope not in GROUPS and scope not in (SOLO, LAST))
-    if scope == WAITS:
-        return worker == "gw1" and workers < 3
-    return scope not in PINNED if worker != "gw0" else True
+def allowed_on(worker: str, scope: str) -> bool:
+    return scope not in PINNED if worker != "gw0" else scope not in NOT_FIRST_WORKER
 
 
 def group_of(nodeid: str) -> str:
@@ -142,9 +133,9 @@ def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
     class ByGroup(LoadScopeScheduling):
-        """xdist's loadscope with our groups, PINNED ones only on gw0, WAITS on a third worker where there is
-        one (allowed_on), SOLO only once the others have nothing left to run (xdist's own loadgroup put tests
-        of one xdist_group on two workers under pytest 9.2)."""
+        """xdist's loadscope with our groups, PINNED ones only on gw0 (NOT_FIRST_WORKER not there), SOLO
+        only once the other worker has nothing left to run (xdist's own loadgroup put tests of one
+        xdist_group on two workers under pytest 9.2)."""
 
         def _split_scope(self, nodeid: str) -> str:
             return group_of(nodeid)
@@ -153,8 +144,7 @@ def pytest_xdist_make_scheduler(config, log):
             # A worker holds its last test until it gets another or the run ends (pytest needs the next
             # item): one pending test is an idle worker, two or more a busy one (as xdist's tests_finished).
             others_busy = any(self._pending_of(work) >= 2 for other, work in self.assigned_work.items() if other is not node)
-            workers = len(self.assigned_work)
-            scope = next((s for s in self.workqueue if allowed_on(node.gateway.id, s, workers)
+            scope = next((s for s in self.workqueue if allowed_on(node.gateway.id, s)
                           and (s != SOLO or not others_busy)), None)
             if scope is None:
                 return  # only the other worker's groups (or SOLO) are left: this one waits
