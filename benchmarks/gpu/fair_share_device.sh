@@ -20,7 +20,8 @@
 # FS_MAX_NUM_SEQS: A's streams, twice the pool), FS_TOKENS (128 output tokens a request), FS_VARY_TOKENS (0: all
 # alike; 0.5: each request's length uniform within +-50 % of FS_TOKENS), FS_PHASE_S (35),
 # FS_B_RATE (0: a tenth of A's request rate alone, measured in a 10 s calibration before the modes),
-# FS_MODES (fair,fcfs; fair,nopause,fcfs adds fair share without pausing A's streams for B),
+# FS_MODES (fair,fcfs; fair,nopause,fcfs adds fair share without pausing A's streams for B; floor: B into a
+# running batch at once, the engines' own share of B's time),
 # FS_KV_BYTES (4 GiB of KV cache a replica), FS_ENGINE_ARGS (--enforce-eager), FS_WORKERS (1: data-plane
 # workers), FS_DIR (/tmp/fairshare: state), BENCH_SRC (the src folder of the data plane; default this
 # checkout's), FS_VLLM (a `vllm` stand-in for a CPU dry run, as routing_device.sh's ROUTING_VLLM, with
