@@ -65,6 +65,7 @@ B_SHARE = 0.1  # --b-rate 0: B sends a tenth of A's request rate alone (the issu
 B_PROJECT = "pb"
 WAITS = "hpcserve_project_admission_wait_seconds"
 PAUSES = "hpcserve_router_stream_pauses"
+GENERATED = "vllm:generation_tokens_total"  # the engines' own count of tokens made (read with the occupancy)
 OCCUPANCY_EVERY_S = 0.25  # /metrics reads per engine: each costs its API server a few ms of a shared core
 
 
@@ -86,9 +87,6 @@ async def stream(session: aiohttp.ClientSession, url: str, key: str, tokens: int
         record["failed"] += 1
         return
     record["ttft"].append(first - sent)
-
-
-GENERATED = "vllm:generation_tokens_total"
 
 
 async def occupancy(session: aiohttp.ClientSession, engines: list[str], until: float, running: list[float],

@@ -50,7 +50,7 @@ def wait_engines(urls: list[str], ready_s: float) -> float:
     return round(time.monotonic() - started, 1)
 
 
-def engines(point: dict) -> str:
+def engine_figures(point: dict) -> str:
     """The engines' own tokens/s (within each phase, without the clients' tail) and their ratio."""
     ratio = point.get("engine_throughput_ratio")
     if ratio is None:
@@ -72,7 +72,7 @@ def verdict(results: dict) -> list[str]:
         lines.append(f"| {mode} | {p['B alone']['b_ttft_p50_s']:.3f} | {p['A and B']['b_ttft_p50_s']:.3f} | "
                      f"{p['b_ttft_ratio']} {'met' if p['b_ttft_ratio'] <= TARGET_B_TTFT else 'NOT met'} | "
                      f"{p['A alone']['tokens_per_s']} | {p['A and B']['tokens_per_s']} | {p['throughput_ratio']} "
-                     f"{'met' if p['throughput_ratio'] >= TARGET_THROUGHPUT else 'NOT met'} | {engines(p)} | {failed} | "
+                     f"{'met' if p['throughput_ratio'] >= TARGET_THROUGHPUT else 'NOT met'} | {engine_figures(p)} | {failed} | "
                      f"{p['A and B']['b_ttft_mean_s']}, {p['A and B'].get('b_wait_mean_s', '-')} | "
                      f"{p['A and B'].get('pauses', '-')} |")
     return lines
