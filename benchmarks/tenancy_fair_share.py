@@ -5,18 +5,23 @@ engines). Side by side in one run.
 
     flock /tmp/hpcserve-heavy.lock .venv/bin/python benchmarks/tenancy_fair_share.py [--phase-s 60]
         [--a-in-flight 24] [--b-rate 0] [--tokens 16] [--max-num-seqs 4] [--json F]
-        [--engine-cores 0,1] [--standin-token-ms MS [--standin-first-ms MS]]
+        [--engine-cores 0,1] [--rounds 1] [--standin-token-ms MS [--standin-first-ms MS]]
 
 Two vLLM CPU engines (the builtin tiny model, one core each, --max-num-seqs, their capacity told to the data
 plane). --b-rate 0: B sends a tenth of A's request rate alone, measured for CALIBRATE_S through the first come
 first served data plane first (which also warms the engines). For each mode, three phases of --phase-s: B
-alone (an open loop at --b-rate requests/s), A alone (a closed loop of --a-in-flight streams), both. Each request is a streamed completion of --tokens tokens
+alone (an open loop at --b-rate requests/s), A alone (a closed loop of --a-in-flight streams), both; with
+--rounds N, B alone once and then N rounds of A alone and both, the modes taking turns in each round, each
+figure the median of the rounds' (an engine's speed drifts between phases minutes apart by more than the
+targets' margins). Each request is a streamed completion of --tokens tokens
 (ignore_eos); with --vary-tokens V each request's length is drawn uniformly within +-V of it (same mean): requests
 of one length that start together end together, so that a full pool frees its places in waves. Reported per phase: B's time to first token (p50, p90), and the pool's throughput (completion
 tokens/s of both users, counted from the usage chunk), and the engines' occupancy: their running requests
 (vLLM's /metrics, read every OCCUPANCY_EVERY_S) over --max-num-seqs, on average; and the tokens the engines
 generated per second within the phase by their own counter (vllm:generation_tokens_total, read at the same
-times), beside the clients' count, which includes the phase's tail (its last streams end after its time). The figures the issue asks
+times), beside the clients' count, which includes the phase's tail (its last streams end after its time); and the
+cores the data plane kept busy (plane_cores: its workers' CPU seconds over the phase's time; near the number of
+workers, the data plane set the pace, not the engines). The figures the issue asks
 for: B's TTFT p50 with A over B's alone (target <= 1.25) and the pool's throughput with B over A alone's
 (target >= 0.97). On two shared cores the engines' speed moves between phases by more than that; the
 occupancy ratio (A and B over A alone) says whether places were left empty, whatever the speed. With fair
@@ -38,12 +43,14 @@ import argparse
 import asyncio
 import json
 import random
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
 import aiohttp
+import psutil
 from prometheus_client.parser import text_string_to_metric_families
 from router import KEY, start_engines, start_stubs
 from tenancy_bench import finish, workspace
@@ -117,6 +124,18 @@ class Target(NamedTuple):
     url: str
     keys: dict[str, str]
     metrics: Callable[[], str] | None = None
+    pid: int | None = None  # the data plane's process (its workers are its children)
+
+
+def plane_cpu_s(pid: int | None) -> float | None:
+    """CPU seconds the data plane and its workers have used so far (None: not known)."""
+    if pid is None:
+        return None
+    try:
+        process = psutil.Process(pid)
+        return sum(sum(p.cpu_times()[:2]) for p in (process, *process.children(recursive=True)))
+    except psutil.Error:
+        return None
 
 
 def project_waits(metrics: str, project: str) -> tuple[float, float, float]:
@@ -141,6 +160,7 @@ async def phase(target: Target, users: str, args: argparse.Namespace) -> dict:
     generated: list[tuple[float, float]] = []
     loop = asyncio.get_running_loop()
     deadline = loop.time() + args.phase_s
+    cpu_before = plane_cpu_s(target.pid)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, trust_env=False,
                                      timeout=aiohttp.ClientTimeout(total=600)) as session:
@@ -176,6 +196,9 @@ async def phase(target: Target, users: str, args: argparse.Namespace) -> dict:
            "a_requests": len(records["A"]["ttft"]), "failed": records["A"]["failed"] + records["B"]["failed"],
            "tokens_per_s": round((records["A"]["tokens"] + records["B"]["tokens"]) / wall, 1),
            "occupancy": round(sum(running) / len(running) / args.max_num_seqs, 3) if running else None}
+    cpu_after = plane_cpu_s(target.pid)
+    if cpu_before is not None and cpu_after is not None:  # cores the data plane kept busy: near its workers' count,
+        got["plane_cores"] = round((cpu_after - cpu_before) / wall, 2)  # it, not the engines, set the pace
     if len(generated) >= 2 and generated[-1][1] > generated[0][1]:  # the engines' own count, within the phase
         # (no tail of streams ending after it); stand-ins count nothing
         (first_at, first), (last_at, last) = generated[0], generated[-1]
@@ -197,24 +220,44 @@ async def calibrate(target: Target, args: argparse.Namespace) -> float:
     return got["a_requests"] / (time.perf_counter() - started)
 
 
+def ratios(alone: dict, both: dict, b_alone: dict) -> dict:
+    """The targets' figures of one A alone phase and the A and B phase after it."""
+    got = {"b_ttft_ratio": round(both["b_ttft_p50_s"] / b_alone["b_ttft_p50_s"], 2),
+           "throughput_ratio": round(both["tokens_per_s"] / alone["tokens_per_s"], 3)}
+    if both.get("engine_tokens_per_s") and alone.get("engine_tokens_per_s"):
+        got["engine_throughput_ratio"] = round(both["engine_tokens_per_s"] / alone["engine_tokens_per_s"], 3)
+    if both["occupancy"] and alone["occupancy"]:
+        got["occupancy_ratio"] = round(both["occupancy"] / alone["occupancy"], 3)
+    return got
+
+
 async def run(targets: dict[str, Target], args: argparse.Namespace) -> dict:
-    results = {}
-    for mode in targets:
-        target = targets[mode]
-        mode_args = args if mode != "floor" else argparse.Namespace(
-            **{**vars(args), "a_in_flight": (args.max_num_seqs - 1) * len(args.engines)})
-        await phase(target, "A", argparse.Namespace(**{**vars(mode_args), "phase_s": 5}))  # warm, unmeasured
-        point = {name: await phase(target, users, mode_args) for name, users in
-                 (("B alone", "B"), ("A alone", "A"), ("A and B", "AB"))}
-        point["b_ttft_ratio"] = round(point["A and B"]["b_ttft_p50_s"] / point["B alone"]["b_ttft_p50_s"], 2)
-        point["throughput_ratio"] = round(point["A and B"]["tokens_per_s"] / point["A alone"]["tokens_per_s"], 3)
-        if point["A and B"].get("engine_tokens_per_s") and point["A alone"].get("engine_tokens_per_s"):
-            point["engine_throughput_ratio"] = round(
-                point["A and B"]["engine_tokens_per_s"] / point["A alone"]["engine_tokens_per_s"], 3)
-        if point["A and B"]["occupancy"] and point["A alone"]["occupancy"]:
-            point["occupancy_ratio"] = round(point["A and B"]["occupancy"] / point["A alone"]["occupancy"], 3)
-        results[mode] = point
-        print(json.dumps({mode: point}), flush=True)
+    """Per mode B alone, then --rounds rounds of A alone and A and B, the modes taking turns within each round
+    (so that the engines' drift over the run falls on every mode alike). With several rounds each figure is
+    the median of the rounds' (each round's ratio is of its own two phases); "rounds" has them all."""
+    results: dict[str, dict] = {}
+    mode_args = {mode: args if mode != "floor" else argparse.Namespace(
+        **{**vars(args), "a_in_flight": (args.max_num_seqs - 1) * len(args.engines)}) for mode in targets}
+    for mode, target in targets.items():
+        await phase(target, "A", argparse.Namespace(**{**vars(mode_args[mode]), "phase_s": 5}))  # warm, unmeasured
+        results[mode] = {"B alone": await phase(target, "B", mode_args[mode]), "rounds": []}
+    for _ in range(args.rounds):
+        for mode, target in targets.items():
+            point = results[mode]
+            alone = await phase(target, "A", mode_args[mode])
+            both = await phase(target, "AB", mode_args[mode])
+            point["rounds"].append({"A alone": alone, "A and B": both, **ratios(alone, both, point["B alone"])})
+            print(json.dumps({mode: point["rounds"][-1]}), flush=True)
+    for point in results.values():
+        rounds = point["rounds"]
+        middle = sorted(rounds, key=lambda r: r["throughput_ratio"])[len(rounds) // 2]
+        point["A alone"], point["A and B"] = middle["A alone"], middle["A and B"]  # the median round's phases
+        for figure in ("b_ttft_ratio", "throughput_ratio", "engine_throughput_ratio", "occupancy_ratio"):
+            values = [r[figure] for r in rounds if figure in r]
+            if len(values) == len(rounds):
+                point[figure] = round(statistics.median(values), 3)
+        if len(rounds) == 1:
+            del point["rounds"]
     return results
 
 
@@ -249,8 +292,8 @@ def mode_targets(here, urls: list[str], capacity: int, model: str = "tiny",
         router.start([])
         for url in urls:
             router.add(url, capacity=capacity)
-        targets[mode] = (Target(router.url, keys, router.metrics) if mode in settings
-                         else Target(router.url, {"A": KEY, "B": KEY}))
+        targets[mode] = (Target(router.url, keys, router.metrics, router.pid) if mode in settings
+                         else Target(router.url, {"A": KEY, "B": KEY}, pid=router.pid))
     return targets
 
 
@@ -279,6 +322,7 @@ def main() -> int:
                         help="stand-ins instead of vLLM (see above)")
     parser.add_argument("--standin-first-ms", type=float, default=40.0)
     parser.add_argument("--modes", default="fair,fcfs", help=f"comma-separated, run in this order, of {MODES}")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds of A alone and A and B per mode (see run)")
     args = parser.parse_args()
     with workspace("hpcserve-fair-bench-") as here:
         if args.standin_token_ms:

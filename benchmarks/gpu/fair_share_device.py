@@ -2,7 +2,8 @@
 benchmarks/tenancy_fair_share.py's phases and modes, with B's rate set from A's.
 
     PYTHONPATH=src:benchmarks:benchmarks/gpu python3 fair_share_device.py --urls URL1,URL2 --max-num-seqs S
-        [--a-in-flight 64] [--tokens 128] [--vary-tokens 0] [--phase-s 35] [--b-rate 0] [--workers 1] [--ready-s 300]
+        [--a-in-flight 64] [--tokens 128] [--vary-tokens 0] [--phase-s 35] [--b-rate 0] [--workers 1] [--rounds 1]
+        [--ready-s 300]
         [--logs DIR] [--json F]
 
 The engines must serve the model name tenancy_fair_share.py's requests ask for ("tiny") and take no key.
@@ -11,7 +12,8 @@ each told the engines' --max-num-seqs as their capacity, as tenancy_fair_share.p
 tenancy (A's and B's own keys, projects of equal shares: fair share), one with the deployment's key alone
 (first come first served). --b-rate 0: B sends a tenth of A's request rate, A's rate measured alone through
 the second for 10 s first (which also warms the engines). Then tenancy_fair_share.run: per mode a 5 s warm-up
-of A, then B alone, A alone, A and B for --phase-s each. Prints the figures and the targets (B's TTFT p50 with A
+of A, then B alone, A alone, A and B for --phase-s each (with --rounds N, A alone and A and B N times, the
+modes taking turns; the figures are the rounds' medians). Prints the figures and the targets (B's TTFT p50 with A
 within 1.25 x B's alone; the pool's tokens/s with B >= 0.97 x A's alone), and the whole result as JSON (--json).
 --logs: the data planes' logs are copied there before the temporary folder goes.
 """
@@ -62,8 +64,9 @@ def engine_figures(point: dict) -> str:
 def verdict(results: dict) -> list[str]:
     lines = [("| mode | B alone TTFT p50 s | A and B: B TTFT p50 s | B ratio (<= 1.25) | A alone tok/s | A and B tok/s "
               "| throughput ratio (>= 0.97) | engines' tok/s: A alone, A and B, ratio (>= 0.97) | failed "
-              "| A and B: B's mean TTFT s, of it waited in admission | A's streams paused for B |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| A and B: B's mean TTFT s, of it waited in admission | A's streams paused for B "
+              "| data plane's cores busy: A alone, A and B | rounds' throughput ratios |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for mode in MODES:
         p = results.get(mode)
         if not p:
@@ -74,7 +77,9 @@ def verdict(results: dict) -> list[str]:
                      f"{p['A alone']['tokens_per_s']} | {p['A and B']['tokens_per_s']} | {p['throughput_ratio']} "
                      f"{'met' if p['throughput_ratio'] >= TARGET_THROUGHPUT else 'NOT met'} | {engine_figures(p)} | {failed} | "
                      f"{p['A and B']['b_ttft_mean_s']}, {p['A and B'].get('b_wait_mean_s', '-')} | "
-                     f"{p['A and B'].get('pauses', '-')} |")
+                     f"{p['A and B'].get('pauses', '-')} | {p['A alone'].get('plane_cores', '-')}, "
+                     f"{p['A and B'].get('plane_cores', '-')} | "
+                     f"{', '.join(str(r['throughput_ratio']) for r in p.get('rounds', [])) or '-'} |")
     return lines
 
 
@@ -88,6 +93,7 @@ def main() -> int:
     parser.add_argument("--phase-s", type=float, default=35.0)
     parser.add_argument("--b-rate", type=float, default=0.0, help="B's requests/s; 0: a tenth of A's, measured")
     parser.add_argument("--workers", type=int, default=1, help="data-plane workers")
+    parser.add_argument("--rounds", type=int, default=1, help="as tenancy_fair_share.py's")
     parser.add_argument("--modes", default="fair,fcfs", help="as tenancy_fair_share.py's")
     parser.add_argument("--ready-s", type=float, default=300.0)
     parser.add_argument("--logs", type=Path)

@@ -19,7 +19,8 @@
 # Knobs: FS_MAX_NUM_SEQS (16: each replica's batch; the pool holds 2 x it), FS_A_IN_FLIGHT (4 x
 # FS_MAX_NUM_SEQS: A's streams, twice the pool), FS_TOKENS (128 output tokens a request), FS_VARY_TOKENS (0: all
 # alike; 0.5: each request's length uniform within +-50 % of FS_TOKENS), FS_PHASE_S (35),
-# FS_B_RATE (0: a tenth of A's request rate alone, measured in a 10 s calibration before the modes),
+# FS_B_RATE (0: a tenth of A's request rate alone, measured in a 10 s calibration before the modes), FS_ROUNDS
+# (1: rounds of A alone and A and B per mode, the modes taking turns; the figures are the rounds' medians),
 # FS_MODES (fair,fcfs; fair,nopause,fcfs adds fair share without pausing A's streams for B; floor: B into a
 # running batch at once, the engines' own share of B's time),
 # FS_KV_BYTES (4 GiB of KV cache a replica), FS_ENGINE_ARGS (--enforce-eager), FS_WORKERS (1: data-plane
@@ -51,13 +52,13 @@ phase_run() {
   # what the measurements take once the replicas serve: calibration, then per mode a warm-up and three
   # phases, each with its streams' tail (~5 s); the rest of the budget is the replicas' start
   modes=${FS_MODES:-fair,fcfs}
-  need=$(( 30 + $(tr , '\n' <<< "$modes" | wc -l) * (10 + 3 * (${FS_PHASE_S:-35} + 5)) ))
+  need=$(( 30 + $(tr , '\n' <<< "$modes" | wc -l) * (10 + (1 + 2 * ${FS_ROUNDS:-1}) * (${FS_PHASE_S:-35} + 5)) ))
   t0=$(now)
   replica 3 8013; replica 4 8014
   log "replicas started (max-num-seqs $S, ${BENCH_REPLICA_EXTRA}); fair_share_device.py waits for them"
   PYTHONPATH=$SRC:$FHERE/..:$FHERE timeout $(( $(left) - 15 )) $PY "$FHERE/fair_share_device.py" \
     --urls http://127.0.0.1:8013,http://127.0.0.1:8014 --max-num-seqs "$S" --a-in-flight "${FS_A_IN_FLIGHT:-$((4 * S))}" \
-    --tokens "${FS_TOKENS:-128}" --vary-tokens "${FS_VARY_TOKENS:-0}" --phase-s "${FS_PHASE_S:-35}" --b-rate "${FS_B_RATE:-0}" --workers "${FS_WORKERS:-1}" --modes "$modes" \
+    --tokens "${FS_TOKENS:-128}" --vary-tokens "${FS_VARY_TOKENS:-0}" --phase-s "${FS_PHASE_S:-35}" --b-rate "${FS_B_RATE:-0}" --workers "${FS_WORKERS:-1}" --rounds "${FS_ROUNDS:-1}" --modes "$modes" \
     --ready-s $(( $(left) - need > 30 ? $(left) - need : 30 )) --logs "$RAW" --json "$OUT/fair_share.json" 2> "$RAW/fair_share.err" | tee -a "$SUM"
   rc=${PIPESTATUS[0]}
   [ "$rc" = 0 ] || { log "fair_share_device.py failed (rc $rc)"; tail -20 "$RAW/fair_share.err" | tee -a "$SUM"
