@@ -104,3 +104,21 @@ def test_a_killed_worker_leaves_the_other_serving_and_stop_leaves_nothing(tmp_pa
         router.stop()
         router.close()
         stop(proc)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_data_plane_whose_run_folder_is_too_deep_removes_its_shared_socket_folder(tmp_path, workers):
+    deep = tmp_path / ("d" * 120)
+    router = Router("127.0.0.1", free_port(), key_file(tmp_path), deep / "plane.log", model="stub", workers=workers)
+    shared = router.admin_socket.parent
+    assert deep not in router.admin_socket.parents and shared.name == f"hpcserve-{os.getuid()}"
+    try:
+        router.start([])
+        assert router.admin_socket.is_socket()
+        router.stop()
+        assert not router.admin_socket.exists()
+        # the user's other data planes (tests beside this one) may still have sockets there
+        assert not shared.exists() or any(shared.iterdir())
+    finally:
+        router.stop()
+        router.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import ipaddress
 import os
@@ -65,6 +66,20 @@ def unix_socket_path(preferred: Path, uid: int | None = None) -> Path:
     if len(os.fsencode(preferred)) <= UNIX_PATH_MAX:
         return preferred
     digest = hashlib.sha256(os.fsencode(preferred)).hexdigest()[:24]
+    return shared_socket_folder(uid) / f"{digest}.sock"
+
+
+def shared_socket_folder(uid: int | None = None) -> Path:
+    """/tmp/hpcserve-UID: the user's sockets whose preferred path was too long (unix_socket_path)."""
     # /tmp, not $TMPDIR: another login session (an adopting controller) must compute the same path
     base = Path("/tmp") if os.path.isdir("/tmp") else Path(tempfile.gettempdir())
-    return base / f"hpcserve-{os.getuid() if uid is None else uid}" / f"{digest}.sock"
+    return base / f"hpcserve-{os.getuid() if uid is None else uid}"
+
+
+def remove_unix_socket(path: Path) -> None:
+    """A socket file at a unix_socket_path answer, gone; and the shared folder with it once nothing else of
+    the user's is in it (another deployment may still serve from there: then it stays)."""
+    path.unlink(missing_ok=True)
+    if path.parent == shared_socket_folder():
+        with contextlib.suppress(OSError):
+            path.parent.rmdir()

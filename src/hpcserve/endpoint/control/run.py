@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import httpx
 
 from hpcserve.core.config import DeploymentConfig, load_config
 from hpcserve.core.keys import ApiKey, remove_secrets
+from hpcserve.core.net import remove_unix_socket
 from hpcserve.core.paths import RunPaths
 from hpcserve.core.registry import Record
 from hpcserve.core.runstate import RunState
@@ -126,9 +126,7 @@ def remove_admin_socket(paths: RunPaths) -> None:
     if paths.root in socket.parents:
         return
     if socket.is_socket():
-        socket.unlink(missing_ok=True)
-    with contextlib.suppress(OSError):  # not empty: another deployment of this user serves from it
-        socket.parent.rmdir()
+        remove_unix_socket(socket)
 
 
 def stop_deployment(record: Record, timeout_s: float = 90.0) -> list[int]:

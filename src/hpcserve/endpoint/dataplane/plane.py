@@ -58,6 +58,7 @@ from yarl import URL
 from hpcserve.core.errors import HpcserveError
 from hpcserve.core.keys import KeyCheck, bearer, read_key_file
 from hpcserve.core.logs import configure_process_logging
+from hpcserve.core.net import remove_unix_socket
 from hpcserve.core.statuses import Routing
 from hpcserve.endpoint.dataplane import wire
 from hpcserve.endpoint.dataplane.admin import admin_app
@@ -70,6 +71,7 @@ from hpcserve.endpoint.dataplane.routing import choose
 from hpcserve.endpoint.dataplane.routing.log import RoutingLog
 from hpcserve.endpoint.dataplane.routing.table import Affinity, Backend
 from hpcserve.endpoint.dataplane.server import (
+    RELAYED,
     ClientServer,
     RelayedStream,
     answered_status,
@@ -422,7 +424,7 @@ class DataPlane:
         if migratable is not None and upstream.status == 200:
             response = waiting or RelayedStream(status=upstream.status, headers=out_headers)
             if waiting is None:
-                request[RelayedStream.KEY] = response
+                request[RELAYED] = response
                 await response.prepare(request)
             stream = Stream(self, room, response, lease, migratable, headers, ticket)
             try:
@@ -436,7 +438,7 @@ class DataPlane:
         try:
             response = waiting or RelayedStream(status=upstream.status, headers=out_headers)
             if waiting is None:
-                request[RelayedStream.KEY] = response
+                request[RELAYED] = response
                 await response.prepare(request)
             chunk, silence = first, self.settings.read_timeout_s
             while chunk:
@@ -548,7 +550,7 @@ async def serve(settings: Settings, key: str | None, client_sock: socket.socket,
     await plane.close()
     if tenants is not None:  # the usage rows not yet written
         await asyncio.to_thread(tenants.stop)
-    (admin_path or settings.admin_socket).unlink(missing_ok=True)
+    remove_unix_socket(admin_path or settings.admin_socket)
     if peers is None:
         log.info("stopped")
 

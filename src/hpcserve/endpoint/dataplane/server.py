@@ -11,7 +11,7 @@ import resource
 import socket
 import struct
 from pathlib import Path
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
@@ -73,12 +73,18 @@ class Refuse(asyncio.Protocol):
         stream.close()
 
 
+def request_key(name: str, kind: type) -> Any:
+    """A key of a request's own storage: aiohttp's typed RequestKey where it has one (3.14 on: a plain string
+    key warns there), else the name itself (the GPU images' vLLM may bring an older aiohttp)."""
+    typed = getattr(web, "RequestKey", None)
+    return typed(name, kind) if typed is not None else name
+
+
 class RelayedStream(web.StreamResponse):
     """A streamed answer that knows when the client has it whole: `data: [DONE]` written. Most clients stop
     reading there and hang up before the body's last chunk (vLLM's server sends it a little later); the
     data plane then stops the request (handler_cancellation), but counts it answered, not 499."""
 
-    KEY = "hpcserve.relayed"  # where the request keeps its streamed answer
     whole = False
 
     async def write(self, data: bytes | bytearray | memoryview) -> None:
@@ -87,9 +93,12 @@ class RelayedStream(web.StreamResponse):
             self.whole = True
 
 
+RELAYED = request_key("hpcserve.relayed", RelayedStream)  # where the request keeps its streamed answer
+
+
 def answered_status(request: web.BaseRequest) -> int | None:
     """The status of a streamed answer the client already had whole, else None."""
-    relayed = request.get(RelayedStream.KEY)
+    relayed = request.get(RELAYED)
     return relayed.status if relayed is not None and relayed.whole else None
 
 

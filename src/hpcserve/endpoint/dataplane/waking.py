@@ -24,11 +24,11 @@ from datetime import datetime
 from aiohttp import web
 
 from hpcserve.endpoint.dataplane import wire
-from hpcserve.endpoint.dataplane.server import RelayedStream
+from hpcserve.endpoint.dataplane.server import RELAYED, RelayedStream, request_key
 from hpcserve.endpoint.protocol import Wakes, Waking
 
 COMMENT_EVERY_S = 3.0  # an SSE comment to a waiting stream this often (proxies close silent streams)
-WAITING = "hpcserve.waking"  # the request's waiting stream (already answered 200), for relay to go on in
+WAITING = request_key("hpcserve.waking", RelayedStream)  # the request's waiting stream (already answered 200), for relay to go on in
 
 
 class Sleep:
@@ -134,7 +134,7 @@ async def wait_for_wake(plane, request: web.BaseRequest, room, affinity, body: b
                 return response
             if stream and now >= next_comment:
                 if response is None:
-                    response = request[RelayedStream.KEY] = request[WAITING] = RelayedStream(
+                    response = request[RELAYED] = request[WAITING] = RelayedStream(
                         status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
                     await response.prepare(request)
                 await response.write(comment(room.name, sleep.waking, epoch))

@@ -40,6 +40,7 @@ from urllib.parse import quote
 import aiohttp
 from aiohttp import web
 
+from hpcserve.core.net import remove_unix_socket
 from hpcserve.core.statuses import Routing
 from hpcserve.endpoint.dataplane.metrics import Collector, Stats, merged_backends
 from hpcserve.endpoint.dataplane.routing.table import Affinity, Backend, RoutingTable, record
@@ -253,7 +254,7 @@ class Supervisor:
         for session in self.sessions:
             await session.close()
         self.stop_workers()
-        settings.admin_socket.unlink(missing_ok=True)
+        remove_unix_socket(settings.admin_socket)  # after the workers' (stop_workers): its folder goes last
         log.info("stopped")
 
     async def workers_listening(self) -> None:
