@@ -234,7 +234,8 @@ def ratios(alone: dict, both: dict, b_alone: dict) -> dict:
 async def run(targets: dict[str, Target], args: argparse.Namespace) -> dict:
     """Per mode B alone, then --rounds rounds of A alone and A and B, the modes taking turns within each round
     (so that the engines' drift over the run falls on every mode alike). With several rounds each figure is
-    the median of the rounds' (each round's ratio is of its own two phases); "rounds" has them all."""
+    the median of the rounds' (each round's ratio is of its own two phases); "rounds" has them all.
+    lone_user_ratio: A alone's tokens/s under fair share over first come first served's, per round, the median."""
     results: dict[str, dict] = {}
     mode_args = {mode: args if mode != "floor" else argparse.Namespace(
         **{**vars(args), "a_in_flight": (args.max_num_seqs - 1) * len(args.engines)}) for mode in targets}
@@ -256,8 +257,16 @@ async def run(targets: dict[str, Target], args: argparse.Namespace) -> dict:
             values = [r[figure] for r in rounds if figure in r]
             if len(values) == len(rounds):
                 point[figure] = round(statistics.median(values), 3)
-        if len(rounds) == 1:
+    lone = None
+    if "fair" in results:  # what fair share costs a user alone: A alone's tokens/s against first come first served's
+        pairs = zip(results["fair"]["rounds"], results["fcfs"]["rounds"], strict=True)
+        lone = round(statistics.median(fair["A alone"]["tokens_per_s"] / fcfs["A alone"]["tokens_per_s"]
+                                       for fair, fcfs in pairs), 3)
+    for point in results.values():
+        if len(point["rounds"]) == 1:
             del point["rounds"]
+    if lone is not None:
+        results["lone_user_ratio"] = lone
     return results
 
 

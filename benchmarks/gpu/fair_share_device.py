@@ -80,6 +80,8 @@ def verdict(results: dict) -> list[str]:
                      f"{p['A and B'].get('pauses', '-')} | {p['A alone'].get('plane_cores', '-')}, "
                      f"{p['A and B'].get('plane_cores', '-')} | "
                      f"{', '.join(str(r['throughput_ratio']) for r in p.get('rounds', [])) or '-'} |")
+    if "lone_user_ratio" in results:
+        lines.append(f"\nA alone, fair share over first come first served (tokens/s): {results['lone_user_ratio']}")
     return lines
 
 
