@@ -49,6 +49,7 @@ from hpcserve.endpoint import (
 )
 from hpcserve.engine.client import Endpoint
 from hpcserve.monitoring.metrics import Gatherer
+from hpcserve.raycluster.nodefiles import remove_run_node_folders
 from hpcserve.tenancy import keyring
 from hpcserve.tenancy.records import KeyRecord
 from hpcserve.tenancy.settings import database_url
@@ -116,6 +117,7 @@ def check(config_path: str | Path, on_event: Callable[[Event], None] | None = No
     finally:
         run_of(record).stop(grace_s=60)  # the driver stops Ray itself after the check; cancel only if it hangs
         remove_secrets(record.run_dir)
+        remove_run_node_folders(record.run_dir)  # what a node killed before its clean-up left in /tmp
     return result.run_dir, read_json(RunPaths(result.run_dir).health)
 
 

@@ -96,6 +96,9 @@ def test_node_killed_during_ray_start_is_named(slurm_env, sandbox, tmp_path):
     assert "hsn3" in out, out
     assert "Traceback" not in out
     assert squeue_empty(slurm_env)
+    # the nodes' Ray folders in /tmp (the sandbox's nodes share it), the killed node's too, are gone
+    folders = [json.loads(path.read_text())["temp_dir"] for path in (tmp_path / "results").glob("**/nodes/*/node.json")]
+    assert folders and not [folder for folder in folders if Path(folder).exists()], folders
 
 
 @pytest.mark.parametrize("router", [False, True], ids=["job", "endpoint"])
