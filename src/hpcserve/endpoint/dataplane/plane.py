@@ -77,6 +77,7 @@ from hpcserve.endpoint.dataplane.server import (
     answered_status,
     bind_admin_socket,
     client_sockets,
+    request_key,
 )
 from hpcserve.endpoint.dataplane.settings import Settings, parse_args
 from hpcserve.endpoint.dataplane.streams import Lease, Stream
@@ -92,7 +93,7 @@ from hpcserve.tenancy.view import Tenant, TenantView
 # race of a connection closed under them.
 UPSTREAM_KEEPALIVE_S = 4.0
 URL_CACHE_SIZE = 4096
-VISIT = "hpcserve.visit"  # a tenant's request: its tenants.Visit, on the aiohttp request
+VISIT = request_key("hpcserve.visit", Visit)  # a tenant's request: its tenants.Visit, on the aiohttp request
 
 log = logging.getLogger(__name__)
 

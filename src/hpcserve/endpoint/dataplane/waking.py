@@ -28,7 +28,8 @@ from hpcserve.endpoint.dataplane.server import RELAYED, RelayedStream, request_k
 from hpcserve.endpoint.protocol import Wakes, Waking
 
 COMMENT_EVERY_S = 3.0  # an SSE comment to a waiting stream this often (proxies close silent streams)
-WAITING = request_key("hpcserve.waking", RelayedStream)  # the request's waiting stream (already answered 200), for relay to go on in
+# the request's waiting stream (already answered 200), for relay to go on in
+WAITING = request_key("hpcserve.waking", RelayedStream)
 
 
 class Sleep:
