@@ -23,6 +23,7 @@ from test_adopt import decisions_since, replicas_now
 from test_distributed_serving import status_of
 from test_slurm_ray import squeue_empty
 
+from hpcserve.core.net import shared_socket_folder
 from hpcserve.endpoint.dataplane.server import socket_answers
 from hpcserve.testing.harness import wait_until
 
@@ -39,7 +40,7 @@ NOT_OURS = ("pip-", "tmp", "bash_", "pytest-of-", "vgdb-pipe-")
 def tmp_entries() -> set[str]:
     """/tmp's entries, and those of the user's own folder there (/tmp/hpcserve-UID: data planes' admin
     sockets when a run folder is too deep for a socket path), which other runs may have made before."""
-    own = Path(f"/tmp/hpcserve-{os.getuid()}")
+    own = shared_socket_folder()
     inside = {f"{own.name}/{name}" for name in os.listdir(own)} if own.is_dir() else set()
     return {name for name in os.listdir("/tmp") if not name.startswith(NOT_OURS)} | inside
 
@@ -50,7 +51,7 @@ def served_by_a_live_process(name: str) -> bool:
     engines are gone, and a socket file they left refuses connections. Likewise the user's socket folder
     while it holds anything: a data plane started beside this test made it, and removes it as it stops."""
     path = Path("/tmp") / name
-    if path.name == f"hpcserve-{os.getuid()}" and path.is_dir():
+    if path == shared_socket_folder() and path.is_dir():
         return any(path.iterdir())
     return path.is_socket() and socket_answers(path)
 

@@ -14,6 +14,7 @@ import pytest
 from helpers import free_port
 from router_fixtures import headers, key_file, start_stubs, stop, wait_for
 
+from hpcserve.core.net import shared_socket_folder
 from hpcserve.core.statuses import Routing
 from hpcserve.endpoint.control.plane_client import Router, is_router
 from hpcserve.endpoint.dataplane.workers import worker_socket
@@ -111,7 +112,7 @@ def test_a_data_plane_whose_run_folder_is_too_deep_removes_its_shared_socket_fol
     deep = tmp_path / ("d" * 120)
     router = Router("127.0.0.1", free_port(), key_file(tmp_path), deep / "plane.log", model="stub", workers=workers)
     shared = router.admin_socket.parent
-    assert deep not in router.admin_socket.parents and shared.name == f"hpcserve-{os.getuid()}"
+    assert deep not in router.admin_socket.parents and shared == shared_socket_folder()
     try:
         router.start([])
         assert router.admin_socket.is_socket()

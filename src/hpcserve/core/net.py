@@ -77,9 +77,11 @@ def shared_socket_folder(uid: int | None = None) -> Path:
 
 
 def remove_unix_socket(path: Path) -> None:
-    """A socket file at a unix_socket_path answer, gone; and the shared folder with it once nothing else of
-    the user's is in it (another deployment may still serve from there: then it stays)."""
-    path.unlink(missing_ok=True)
+    """A socket file at a unix_socket_path answer, gone (whatever else is at that path stays); and the shared
+    folder with it once nothing else of the user's is in it (another deployment may still serve from there:
+    then it stays)."""
+    if path.is_socket():
+        path.unlink(missing_ok=True)
     if path.parent == shared_socket_folder():
         with contextlib.suppress(OSError):
             path.parent.rmdir()

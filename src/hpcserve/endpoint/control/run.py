@@ -123,9 +123,7 @@ def remove_admin_socket(paths: RunPaths) -> None:
     run folder too deep for a socket path): `down` leaves nothing of the deployment outside its results
     folder. The folder is shared by the user's deployments: it goes only when none has a socket there."""
     socket = paths.router_admin
-    if paths.root in socket.parents:
-        return
-    if socket.is_socket():
+    if paths.root not in socket.parents:
         remove_unix_socket(socket)
 
 
