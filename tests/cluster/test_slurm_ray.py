@@ -103,11 +103,12 @@ def test_node_killed_during_ray_start_is_named(slurm_env, sandbox, tmp_path):
 
 @pytest.mark.parametrize("router", [False, True], ids=["job", "endpoint"])
 def test_node_set_down_before_submission_is_reported(slurm_env, tmp_path, router):
-    # With the endpoint in front, the reason comes from its first member's job.
+    # One replica spans the three nodes (six GPUs): the job, or with the endpoint in front its first member's
+    # job (as many nodes as a replica), cannot start while one is down.
     subprocess.run(["scontrol", "update", "nodename=hsn2", "state=down", "reason=test"], check=True, timeout=30)
     try:
         config = write_config(tmp_path / "up.yaml", HERE / "sandbox-check.yaml", results_dir=str(tmp_path / "results"),
-                              serve={"router": router})
+                              serve={"router": router}, parallelism={"tensor": 2, "pipeline": 3, "replicas": 1})
         done = run_cli("up", str(config), "--timeout", "15", timeout=120)
     finally:
         subprocess.run(["scontrol", "update", "nodename=hsn2", "state=resume"], check=True, timeout=30)
