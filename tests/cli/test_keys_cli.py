@@ -38,6 +38,9 @@ def test_bad_input_gets_one_message_and_exit_2(tmp_path):
              (("keys", "add", "alice", "-d", "no-such-deployment"), "no-such-deployment"),
              (("keys", "revoke", "nobody", "-d", path), "no live key"),
              (("keys", "add", "alice", "-d", path, "--rpm", "0"), "greater than or equal to 1"),
+             (("keys", "add", "alice", "-d", path, "--project", ""), "project ''"),
+             (("keys", "add", "alice", "-d", path, "--project", "chem; rm"), "project 'chem; rm'"),
+             (("keys", "add", "alice", "-d", path, "--model", " "), "--model ''"),
              (("usage", path, "--by", "colour"), "colour")]
     for args, said in cases:
         result = run_cli_here(*args)

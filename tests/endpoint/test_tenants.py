@@ -143,6 +143,12 @@ def test_a_key_for_some_models_is_refused_the_others(plane):
     wait_until(lambda: all(post(router, key).status_code == 403 for _ in range(6)), 5, "erin's key known to both")
     error = post(router, key).json()["error"]
     assert error["code"] == "model_not_allowed" and "llama-70b" in error["message"]
+    # A body that names no model (or not as a string) gets the endpoint's own model: refused the same
+    auth = {"Authorization": f"Bearer {key}"}
+    for body in ({"prompt": "hello", "max_tokens": 2}, {"model": None, "prompt": "hello", "max_tokens": 2}):
+        answer = httpx.post(f"{router.url}/v1/completions", headers=auth, json=body, timeout=30)
+        assert answer.status_code == 403, answer.text
+        assert "this endpoint's model 'stub' (the request names none)" in answer.json()["error"]["message"]
 
 
 def test_every_request_has_its_usage_row_and_its_projects_counters(plane):

@@ -106,6 +106,18 @@ def _readable(process: psutil.Process) -> bool:
         return False
 
 
+def test_a_key_for_a_model_not_served_is_warned_of_and_gets_no_other_model(deployment):
+    added = run_cli("keys", "add", "gina", "-d", deployment["name"], "--model", "tiny-typo")
+    assert added.returncode == 0 and "not tiny-typo" in added.stderr, added.stderr
+    key = added.stdout.strip()
+    unnamed = {"prompt": "Hello", "max_tokens": 2}  # vLLM serves its own model to a body that names none
+    deadline = time.monotonic() + 5  # the key reaches every data-plane worker within its poll
+    while (status := ask(deployment, key, "completions", unnamed)[0]) == 401 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert status == 403
+    assert ask(deployment, key, "completions", {"model": "tiny", **unnamed})[0] == 403
+
+
 def test_the_default_cap_refuses_ten_thousand_choices(deployment):
     answer = httpx.post(f"{deployment['url']}/v1/completions", headers={"Authorization": f"Bearer {deployment['key']}"},
                         json={"model": "tiny", "prompt": "x", "n": 10000, "max_tokens": 1}, timeout=60)

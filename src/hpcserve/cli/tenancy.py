@@ -44,6 +44,12 @@ def add(user: str = typer.Argument(..., help="who the key is for (a Unix or e-ma
                               limits=limits, expires_at=parse_when(expires) if expires else None)
     err.print(f"key {record.key_id} for {record.user}{f' (project {project})' if project else ''}: shown once, "
               "keep it now", highlight=False)
+    served = api.served_models(deployment) if models else None
+    missing = [model for model in models or () if served is not None and model not in served]
+    if missing:  # a typo, or a model that joins later: the key is made either way
+        err.print(f"warning: {deployment} serves {', '.join(served or ()) or 'no model'} now, not "
+                  f"{', '.join(missing)}: this key can use {'it' if len(missing) == 1 else 'them'} only once a "
+                  "deployment of that served name joins the endpoint", highlight=False)
     print(key)  # stdout alone, for `KEY=$(hpcserve keys add ...)`
 
 

@@ -23,6 +23,12 @@ def add_key(store: Store, user: str, *, project: str | None = None, models: tupl
     """A new key for user, stored as its hash; the whole key is returned here and nowhere else."""
     if not USER.match(user):
         raise UsageError(f"user name {user!r}: use letters, digits and _.@- (at most 64), as a Unix or e-mail name")
+    if project is not None and not USER.match(project):
+        raise UsageError(f"project {project!r}: use letters, digits and _.@- (at most 64), as a Slurm account "
+                         "or a grant's name; leave --project out for none")
+    if models is not None and not all(model.strip() for model in models):
+        raise UsageError("--model '': give a model's served name (`hpcserve status` shows it), or leave --model "
+                         "out for every model")
     if expires_at is not None and expires_at <= time.time():
         raise UsageError("--expires is in the past: give a duration (30d, 12h) or a date after today")
     key, record = new_key(user, project=project, models=models, limits=limits, source=source, expires_at=expires_at)

@@ -259,7 +259,7 @@ class DataPlane:
             except NoRoom as no:
                 raise Refusal(no.status, no.body) from None
         if tenant is not None:
-            body, data = self.admit_tenant(request, tenant, target, body, data)
+            body, data = self.admit_tenant(request, room, tenant, target, body, data)
         affinity = None
         if room.prefix:  # prompts are tokenized only while some engine's KV events are followed
             affinity = wire.request_affinity(request.headers, data, room.tokenizer if room.pool.exact else None)
@@ -271,17 +271,19 @@ class DataPlane:
         async with room.admission.turn(affinity, project, user) as ticket:
             return await self.forward(request, room, target, body, headers, affinity, migratable, ticket)
 
-    def admit_tenant(self, request: web.BaseRequest, tenant: Tenant, target: str, body: bytes | None,
+    def admit_tenant(self, request: web.BaseRequest, room: Room, tenant: Tenant, target: str, body: bytes | None,
                      data: dict | None) -> tuple[bytes | None, dict | None]:
         """The tenant's model and limits checked (a Refusal if not), the request counted against its key, and
         its Visit kept on the request for its usage row. Returns the body (and JSON) to send: with max_tokens
         set where the key caps it and the request set none."""
         tenants = self.tenants
         assert tenants is not None, "a tenant is only ever identified by self.tenants (answer)"
-        model = data.get("model") if data is not None else None
-        model = model if isinstance(model, str) else None
-        if model is not None and tenant.models is not None and model not in tenant.models:  # Tenant.allows_model
-            raise Refusal(403, model_refusal(model, tenant.models or ()))
+        named = data.get("model") if data is not None else None
+        # A body that names no model is served by the room's engines' own (vLLM's default): that is the
+        # model a key for some models is checked against, and the one its usage row names.
+        model = named if isinstance(named, str) else room.name or None
+        if tenant.models is not None and request.method == "POST" and model not in tenant.models:  # allows_model
+            raise Refusal(403, model_refusal(model, tenant.models, named=isinstance(named, str)))
         now = time.time()
         hit = tenants.admit(tenant, data, now)  # counted against its key when it passes
         if hit is not None:

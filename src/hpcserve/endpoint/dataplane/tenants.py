@@ -127,6 +127,12 @@ def limit_refusal(hit: LimitHit) -> tuple[int, bytes, dict[str, str] | None]:
     return hit.status, body, headers
 
 
-def model_refusal(model: str | None, allowed: tuple[str, ...]) -> bytes:
-    return wire.error_body(f"hpcserve endpoint: this key may not use the model {model!r}; it may use "
-                           f"{', '.join(allowed) or 'none'}", "permission_denied", "model_not_allowed")
+def model_refusal(model: str | None, allowed: tuple[str, ...], named: bool = True) -> bytes:
+    """403 for a key of some models. A request that names no model asks for the endpoint's own."""
+    if named:
+        asked = f"the model {model!r}"
+    else:
+        asked = f"this endpoint's model{f' {model!r}' if model else ''} (the request names none)"
+    return wire.error_body(f"hpcserve endpoint: this key may not use {asked}; it may use "
+                           f"{', '.join(allowed) or 'none'}: name one in the request's \"model\"",
+                           "permission_denied", "model_not_allowed")
