@@ -44,6 +44,9 @@ PAIRS = int(os.environ.get("HPCSERVE_BENCH_PAIRS", "1"))
 # 1.04 as a process of its own (pairs 0.99-1.06, 2026-12-03), whole runs compared. A wrong count or clock is
 # off by far more. Over the shared window (2026-12-05, idle machine): pairs 0.997, 0.997, 1.007.
 TOLERANCE = 0.08
+TTFT_P50_BOUNDS = (0.6, 1.35)  # why so wide: the test's last assertion
+# A pair outside the bounds is confirmed by the median of this many pairs (noise, or a real difference).
+CONFIRM_PAIRS = 3
 SERVER_READY_S = 180
 
 
@@ -220,8 +223,11 @@ def test_throughput_and_ttft_agree_with_vllm_bench_serve(vllm_server, tmp_path):
     """
     base_url, model = vllm_server
     pairs = [_paired_run(base_url, model, index, tmp_path) for index in range(PAIRS)]
-    ratios = {metric: statistics.median(ours[metric] / theirs[metric] for ours, theirs in pairs)
-              for metric in ("req_s", "out_tok_s", "ttft_mean_ms", "ttft_p50_ms")}
+    if len(pairs) < CONFIRM_PAIRS and not agree(median_ratios(pairs)):
+        # One pair outside the bounds: the machine's noise (one pair at 1.098 in a clean-clone run, 2026-12-07)
+        # or a real difference, which the median of three shows as well.
+        pairs += [_paired_run(base_url, model, index, tmp_path) for index in range(len(pairs), CONFIRM_PAIRS)]
+    ratios = median_ratios(pairs)
     print(json.dumps({"pairs": pairs, "median_ratio_ours_over_vllm": ratios}, indent=1))
     # TTFT: the median. The mean is dominated by the few requests caught in a stall when other jobs on
     # this machine spike (seen: per-pair mean ratios 0.8-1.9 while medians stayed close); it is printed.
@@ -235,4 +241,17 @@ def test_throughput_and_ttft_agree_with_vllm_bench_serve(vllm_server, tmp_path):
     # bench alone at its start and end): pairs 1.45, 1.39, 0.99 (a clean clone, 2026-12-05); both in the
     # window, two runs on an idle machine: medians 0.999 and 0.956 (pairs 0.985, 0.881, 0.956). A wrong clock
     # is off by far more: to the last token instead of the first is about 30 decode steps, several times the TTFT.
-    assert 0.6 <= ratios["ttft_p50_ms"] <= 1.35, f"ttft_p50_ms: hpcserve/vllm = {ratios['ttft_p50_ms']:.3f}"
+    assert TTFT_P50_BOUNDS[0] <= ratios["ttft_p50_ms"] <= TTFT_P50_BOUNDS[1], \
+        f"ttft_p50_ms: hpcserve/vllm = {ratios['ttft_p50_ms']:.3f}"
+
+
+def median_ratios(pairs: list[tuple[dict, dict]]) -> dict[str, float]:
+    """Per metric, the median over the pairs of ours / vLLM's."""
+    return {metric: statistics.median(ours[metric] / theirs[metric] for ours, theirs in pairs)
+            for metric in ("req_s", "out_tok_s", "ttft_mean_ms", "ttft_p50_ms")}
+
+
+def agree(ratios: dict[str, float]) -> bool:
+    """Whether the ratios are within the bounds the test asserts."""
+    return (all(abs(ratios[metric] - 1) <= TOLERANCE for metric in ("req_s", "out_tok_s"))
+            and TTFT_P50_BOUNDS[0] <= ratios["ttft_p50_ms"] <= TTFT_P50_BOUNDS[1])
