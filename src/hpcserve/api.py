@@ -22,12 +22,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import httpx
-
 from hpcserve.core.config import DeploymentConfig, load_config
 from hpcserve.core.errors import ConfigError, HpcserveError, NotFoundError, UsageError
 from hpcserve.core.files import read_json
-from hpcserve.core.keys import bearer, choose_key, read_api_key, remove_secrets
+from hpcserve.core.keys import choose_key, read_api_key, remove_secrets
 from hpcserve.core.osenv import PRIVATE_UMASK, umask
 from hpcserve.core.paths import RunPaths
 from hpcserve.core.registry import forget, list_names, load_record, save_record
@@ -49,7 +47,7 @@ from hpcserve.endpoint import (
     start_endpoint,
     stop_deployment,
 )
-from hpcserve.engine.client import Endpoint
+from hpcserve.engine.client import Endpoint, served_model_names
 from hpcserve.monitoring.metrics import Gatherer
 from hpcserve.raycluster.nodefiles import remove_run_node_folders
 from hpcserve.tenancy import keyring
@@ -211,13 +209,10 @@ def served_models(target: str | Path) -> list[str] | None:
     """The models a running deployment's endpoint serves now (its GET /v1/models), or None where that is not
     known: a config file, a deployment not ready, an endpoint not answering."""
     try:
-        endpoint, = endpoints(str(target))
-        answer = httpx.get(f"{endpoint.base_url}/v1/models", headers=bearer(endpoint.api_key), timeout=5,
-                           trust_env=False)
-        answer.raise_for_status()
-        return [card["id"] for card in answer.json()["data"]]
-    except (HpcserveError, OSError, ValueError, KeyError, TypeError, httpx.HTTPError):
+        endpoint, = endpoints(str(target))  # one URL in front of every replica, or a deployment's one replica
+    except (HpcserveError, OSError, ValueError):
         return None
+    return served_model_names(endpoint)
 
 
 def keys(target: str | Path) -> list[KeyRecord]:

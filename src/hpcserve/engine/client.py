@@ -45,6 +45,17 @@ def kv_cache_size(base_url: str, api_key: str | None, timeout_s: float = 5.0) ->
         return None
 
 
+def served_model_names(endpoint: Endpoint, timeout_s: float = 5.0) -> list[str] | None:
+    """The models GET /v1/models lists; None when it does not answer with such a list."""
+    try:
+        response = httpx.get(f"{endpoint.base_url}/v1/models", headers=bearer(endpoint.api_key), timeout=timeout_s,
+                             trust_env=False)
+        response.raise_for_status()
+        return [card["id"] for card in response.json()["data"]]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None
+
+
 def health_ok(base_url: str, timeout_s: float = 2.0) -> bool:
     try:
         return httpx.get(f"{base_url}/health", timeout=timeout_s).status_code == 200

@@ -14,16 +14,16 @@ from hpcserve.tenancy.store import Store
 
 DURATION = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhdw])$")
 UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86_400, "w": 604_800}
-USER = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.@-]{0,63}$")
+NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.@-]{0,63}$")  # a user's or a project's
 
 
 def add_key(store: Store, user: str, *, project: str | None = None, models: tuple[str, ...] | None = None,
             limits: Limits = Limits(), expires_at: float | None = None,
             source: KeySource = KeySource.ADMIN) -> tuple[str, KeyRecord]:
     """A new key for user, stored as its hash; the whole key is returned here and nowhere else."""
-    if not USER.match(user):
+    if not NAME.match(user):
         raise UsageError(f"user name {user!r}: use letters, digits and _.@- (at most 64), as a Unix or e-mail name")
-    if project is not None and not USER.match(project):
+    if project is not None and not NAME.match(project):
         raise UsageError(f"project {project!r}: use letters, digits and _.@- (at most 64), as a Slurm account "
                          "or a grant's name; leave --project out for none")
     if models is not None and not all(model.strip() for model in models):
